@@ -1,0 +1,435 @@
+"""One typed configuration tree for a run, loaded from YAML plus ``key.sub=value`` overrides.
+
+Every section is a ``kw_only`` dataclass with a docstring per field and checks in
+``__post_init__``; cross-section checks (TP dividing heads, ...) live in :class:`JetConfig`.
+Errors are one line naming the field and the fix (:class:`ConfigError`). Each component gets only
+its own section; nothing reads a global ``args``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line: field, problem, fix."""
+
+
+def _fail(path: str, problem: str, fix: str) -> None:
+    raise ConfigError(f"config error: {path}: {problem}; {fix}")
+
+
+def _check(cond: bool, path: str, problem: str, fix: str) -> None:
+    if not cond:
+        _fail(path, problem, fix)
+
+
+def _positive(obj: Any, section: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value is not None and value > 0, f"{section}.{name}", f"must be > 0, got {value!r}",
+               "set a positive value")
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model, described as an HF ``config.json`` would (or read from one via ``hf_path``)."""
+
+    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "qwen3"
+    """HF ``model_type``; picks the layer spec and the Megatron<->HF name table."""
+    hidden_size: int = 256
+    """Model width."""
+    num_layers: int = 2
+    """Transformer layers (HF ``num_hidden_layers``)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """KV heads (query groups, GQA)."""
+    head_dim: Optional[int] = None
+    """Per-head width; defaults to hidden_size // num_attention_heads (qwen3 may differ)."""
+    ffn_hidden_size: int = 512
+    """Dense MLP width (HF ``intermediate_size``)."""
+    vocab_size: int = 512
+    """Vocabulary size (must be divisible by the tensor-parallel size)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the RoPE tables are built for."""
+    num_experts: Optional[int] = None
+    """qwen3_moe: routed experts (HF ``num_experts``)."""
+    moe_top_k: Optional[int] = None
+    """qwen3_moe: experts per token (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """qwen3_moe: expert MLP width (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """qwen3_moe: renormalize the top-k router probabilities."""
+    hf_path: Optional[str] = None
+    """HF model directory: its config.json fills the fields above and its safetensors are loaded."""
+    tokenizer: str = "builtin"
+    """``builtin`` (the tiny preset's character tokenizer) or an HF tokenizer directory."""
+
+    def __post_init__(self):
+        if self.hf_path:
+            cfg_file = os.path.join(self.hf_path, "config.json")
+            _check(os.path.isfile(cfg_file), "model.hf_path", f"no config.json in {self.hf_path!r}",
+                   "point model.hf_path at an HF model directory")
+            with open(cfg_file) as f:
+                for key, value in model_fields_from_hf(json.load(f)).items():
+                    setattr(self, key, value)
+        _check(self.model_type in MODEL_TYPES, "model.model_type",
+               f"unsupported model_type {self.model_type!r}", f"use one of {', '.join(MODEL_TYPES)}")
+        _positive(self, "model", "hidden_size", "num_layers", "num_attention_heads",
+                  "num_key_value_heads", "ffn_hidden_size", "vocab_size")
+        if self.head_dim is None:
+            _check(self.hidden_size % self.num_attention_heads == 0, "model.head_dim",
+                   "hidden_size is not divisible by num_attention_heads", "set model.head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+               "use a divisor of the query heads")
+        if self.model_type == "qwen3_moe":
+            _check(bool(self.num_experts and self.moe_top_k and self.moe_ffn_hidden_size),
+                   "model.num_experts", "qwen3_moe needs num_experts, moe_top_k and moe_ffn_hidden_size",
+                   "set all three")
+            _check(self.moe_top_k <= self.num_experts, "model.moe_top_k",
+                   f"{self.moe_top_k} > num_experts={self.num_experts}", "lower moe_top_k")
+        else:
+            _check(self.num_experts is None, "model.num_experts",
+                   f"{self.model_type} is dense", "remove num_experts or use model_type qwen3_moe")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type == "qwen3_moe"
+
+    def to_hf_config(self) -> dict:
+        """The HF ``config.json`` dict of this model (inverse of ``model_fields_from_hf``)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
+        cfg = {
+            "architectures": [arch], "model_type": self.model_type,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.ffn_hidden_size, "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": self.qkv_bias,
+        }
+        if self.is_moe:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_top_k,
+                       moe_intermediate_size=self.moe_ffn_hidden_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        return cfg
+
+
+def model_fields_from_hf(hf: dict) -> dict:
+    """Map an HF ``config.json`` dict onto ``ModelConfig`` fields."""
+    model_type = hf.get("model_type")
+    _check(model_type in MODEL_TYPES, "model.hf_path",
+           f"config.json has unsupported model_type {model_type!r}", f"use one of {', '.join(MODEL_TYPES)}")
+    theta = hf.get("rope_theta")
+    if theta is None:  # transformers >= 5 nests it
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    out = dict(
+        model_type=model_type, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], rope_theta=float(theta), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+    )
+    if model_type == "qwen3_moe":
+        out.update(num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
+                   moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
+    return out
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Which precision flow the run uses; the numbers themselves live in ``FP8Recipe``."""
+
+    mode: Literal["bf16", "fp8_rollout", "jet"] = "jet"
+    """``bf16`` reference; ``fp8_rollout`` BF16 train + FP8 rollout (off-policy baseline);
+    ``jet`` one FP8 flow for training and rollout."""
+    scale_fmt: Literal["fp32", "ue8m0"] = "fp32"
+    """Per-block scale format: fp32 (amax/448) or ue8m0 (power of two, rounded up)."""
+    wgrad: Literal["fp8", "bf16"] = "fp8"
+    """Weight-gradient GEMM precision in ``jet`` mode."""
+    backend: Literal["auto", "scaled_mm", "emulated", "te"] = "auto"
+    """FP8 GEMM backend: ``auto`` picks scaled_mm on Hopper+ and emulated elsewhere."""
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
+    embedded run and the parity tests use fp32."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Megatron model parallelism; data parallel = world size / (tp * pp)."""
+
+    tensor_parallel: int = 1
+    """TP size (must divide heads, KV heads, FFN, vocab)."""
+    pipeline_parallel: int = 1
+    """PP size (must divide num_layers)."""
+    expert_parallel: int = 1
+    """EP size for qwen3_moe (must divide num_experts)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks when DP > 1."""
+
+    def __post_init__(self):
+        _positive(self, "parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling."""
+
+    engine: Literal["local", "sglang"] = "local"
+    """``local``: in-process engine over the trainer's model; ``sglang``: a server fleet."""
+    n_samples_per_prompt: int = 8
+    """Group size for GRPO."""
+    prompts_per_step: int = 8
+    """Prompts sampled per RL step."""
+    max_new_tokens: int = 32
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+
+    def __post_init__(self):
+        _positive(self, "rollout", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens")
+        _check(self.temperature >= 0, "rollout.temperature", "must be >= 0", "use 0 for greedy")
+        _check(0 < self.top_p <= 1, "rollout.top_p", f"{self.top_p} not in (0, 1]", "use a value in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to disable")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """GRPO / PPO-clip objective and the optimizer."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    clip_eps_low: float = 0.2
+    """PPO ratio lower clip."""
+    clip_eps_high: float = 0.2
+    """PPO ratio upper clip (DAPO clip-higher when larger than low)."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient (0 = no reference model)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = 0.0
+    """Entropy bonus."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: DAPO token mean or per-sequence mean."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap C (fp8_rollout mode); None = off."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward micro-batch."""
+
+    def __post_init__(self):
+        _positive(self, "algo", "lr", "micro_batch_size")
+        _check(self.tis_cap is None or self.tis_cap >= 1.0, "algo.tis_cap",
+               f"{self.tis_cap} < 1", "use a cap >= 1 (e.g. 2.0) or null")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """How rollout and training share hardware."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """Same GPUs, alternating (colocated) or separate pools (disaggregated)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts and rewards."""
+
+    path: Optional[str] = None
+    """JSONL or Parquet prompt file; None uses the built-in synthetic task."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    reward: str = "math"
+    """Reward function name in the reward registry."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoint cadence and resume."""
+
+    save_interval: int = 0
+    """Save every N RL steps (0 = only at the end)."""
+    resume: bool = False
+    """Resume from the newest checkpoint in the run directory."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where the run writes."""
+
+    run_dir: str = "runs/latest"
+    """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under run_dir/tb."""
+
+
+@dataclass(kw_only=True)
+class JetConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    steps: int = 10
+    """RL steps."""
+    seed: int = 1234
+    """Global seed."""
+
+    def __post_init__(self):
+        _positive(self, "", "steps")
+        m, p = self.model, self.parallel
+        tp = p.tensor_parallel
+        for name in ("num_attention_heads", "num_key_value_heads", "ffn_hidden_size", "vocab_size"):
+            value = getattr(m, name)
+            _check(value % tp == 0, "parallel.tensor_parallel",
+                   f"{tp} does not divide model.{name}={value}", f"choose a tensor_parallel dividing {value}")
+        _check(m.num_layers % p.pipeline_parallel == 0, "parallel.pipeline_parallel",
+               f"{p.pipeline_parallel} does not divide model.num_layers={m.num_layers}",
+               "choose a pipeline_parallel dividing the layer count")
+        if p.expert_parallel > 1:
+            _check(m.is_moe, "parallel.expert_parallel", f"{m.model_type} has no experts",
+                   "set expert_parallel=1")
+            _check(m.num_experts % p.expert_parallel == 0, "parallel.expert_parallel",
+                   f"{p.expert_parallel} does not divide model.num_experts={m.num_experts}",
+                   "choose an expert_parallel dividing the expert count")
+        if m.is_moe:
+            _check(m.moe_ffn_hidden_size % tp == 0, "parallel.tensor_parallel",
+                   f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
+        _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",
+               f"truncated importance sampling is for fp8_rollout, mode is {self.precision.mode}",
+               "set algo.tis_cap=null or precision.mode=fp8_rollout")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: dict -> typed tree, with one-line errors.
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, path, f"{value!r} is not one of {list(choices)}",
+               f"use one of {', '.join(map(str, choices))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), path, f"expected a mapping, got {type(value).__name__}",
+               "give a YAML mapping")
+        return _build(tp, value, path)
+    if tp is bool:
+        _check(isinstance(value, bool), path, f"expected true/false, got {value!r}", "use true or false")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), path,
+               f"expected an integer, got {value!r}", "give an integer")
+        return value
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+               f"expected a number, got {value!r}", "give a number")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), path, f"expected a string, got {value!r}", "quote the value")
+        return value
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            _fail(path, "unknown key", f"valid keys here: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        _check(isinstance(node, dict), dotted, "is not a section", "override a leaf key")
+    node[keys[-1]] = value
+
+
+def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> JetConfig:
+    """YAML file (optional) + ``a.b=value`` overrides (values parsed as YAML) -> ``JetConfig``."""
+    data: dict = {}
+    if path:
+        _check(os.path.isfile(path), "--config", f"file {path!r} not found", "give an existing YAML file")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        _check(isinstance(data, dict), "--config", "top level is not a mapping", "write key: value pairs")
+    for item in overrides:
+        _check("=" in item, item, "override without '='", "write key.sub=value")
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return _build(JetConfig, data)
+
+
+def config_to_dict(cfg: JetConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: JetConfig, path: str) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)

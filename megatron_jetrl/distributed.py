@@ -1,0 +1,59 @@
+"""Process groups: torch.distributed (NCCL on GPU, gloo on CPU) + megatron-core model parallel."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.config import ParallelConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Initialize torch.distributed from the torchrun environment (or as a single process) and
+    megatron-core's TP/PP/EP/DP groups. On a CPU-only machine installs ``platform``'s redirections."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_jetrl.platform import enable_cpu_megatron
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        enable_cpu_megatron()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    mp = parallel.tensor_parallel * parallel.pipeline_parallel
+    if world % mp:
+        raise ValueError(f"world size {world} is not divisible by parallel.tensor_parallel x "
+                         f"parallel.pipeline_parallel = {mp}; launch a multiple of {mp} processes")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

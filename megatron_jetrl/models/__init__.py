@@ -1,0 +1,1 @@
+"""megatron-core models built from an HF-style description (``config.ModelConfig``)."""

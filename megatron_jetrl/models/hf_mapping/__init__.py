@@ -1,0 +1,1 @@
+"""Megatron<->HF name tables, one per HF model_type."""

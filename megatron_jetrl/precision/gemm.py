@@ -1,0 +1,110 @@
+"""Block-FP8 GEMM: ``out = (a * a_scale) @ (b * b_scale)^T``.
+
+``a`` [M, Kc] fp8 in 1x128 groups along Kc (scale [M, ceil(Kc/128)]); ``b`` [Nout, Kc] fp8 in
+128x128 blocks (scale [ceil(Nout/128), ceil(Kc/128)]); ``b`` may be a transposed view. All three
+GEMMs of a linear layer take this form (see ``linear.py``):
+
+    forward  y  = x  @ W^T : a = x  (groups along K),   b = W          (blocks)
+    dgrad    dx = dy @ W   : a = dy (groups along N),   b = W^T (view) (same blocks, no 2nd copy)
+    wgrad    dW = dy^T @ x : a = dy^T (groups along M), b = x^T in 128x128 blocks
+
+torch's blockwise ``scaled_mm`` rejects 1x128 x 1x128, which is why wgrad re-blocks ``x``.
+
+Backends:
+- ``scaled_mm``: ``torch.nn.functional.scaled_mm`` BlockWise1x128 x BlockWise128x128 (cuBLAS,
+  Hopper and newer, CUDA).
+- ``emulated``: any device; the same fp8 values and scales, dequantized and multiplied in
+  float32. The reference for the other backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_jetrl.precision.quant import dequantize_blocks
+
+BACKENDS = ("scaled_mm", "emulated")
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_available(device_index: int = 0) -> tuple[bool, str]:
+    """(available, reason)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (need >= 2.10)"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 9:
+        return False, f"compute capability {major}.{minor} < 9.0 (block-FP8 cuBLAS needs Hopper)"
+    return True, ""
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """``auto`` -> scaled_mm on a capable CUDA device, else emulated; a named backend that
+    cannot run raises a one-line error."""
+    if requested == "auto":
+        if device.type == "cuda" and scaled_mm_available(device.index or 0)[0]:
+            return "scaled_mm"
+        return "emulated"
+    if requested == "scaled_mm":
+        ok, why = scaled_mm_available(device.index or 0) if device.type == "cuda" else (False, "device is CPU")
+        if not ok:
+            raise BackendUnavailable(f"precision.backend=scaled_mm is unavailable: {why}; "
+                                     "use precision.backend=emulated or auto")
+        return "scaled_mm"
+    if requested == "emulated":
+        return "emulated"
+    raise BackendUnavailable(f"precision.backend={requested!r} is not an FP8 GEMM backend; "
+                             f"use one of auto, {', '.join(BACKENDS)}")
+
+
+def _emulated(a, a_s, b, b_s, out_dtype, group):
+    a_deq = dequantize_blocks(a, a_s, 1, group)
+    b_deq = dequantize_blocks(b, b_s, group, group)
+    return (a_deq @ b_deq.t()).to(out_dtype)
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    M, Kc = a.shape
+    N = b.shape[0]
+    if Kc % group or N % 16:
+        # cuBLAS wants whole K groups and N multiple of 16: zero-pad (zeros add nothing) and
+        # give the padded groups scale 1.
+        Kp, Np = -(-Kc // group) * group, -(-N // 16) * 16
+        a = _pad_to(a.view(torch.uint8), M, Kp).view(a.dtype)
+        b = _pad_to(b.contiguous().view(torch.uint8), Np, Kp).view(b.dtype)
+        b_s = _pad_to(b_s, -(-Np // group), Kp // group)
+        out = _scaled_mm(a, a_s, b, b_s, out_dtype, group)
+        return out[:, :N]
+    # mat2 = b^T [Kc, Nout]; its scale is b_s^T [Kc/128, Nout/128], both passed as views.
+    return scaled_mm(a, b.t(), _col_major(a_s), ScalingType.BlockWise1x128,
+                     _col_major(b_s.t()), ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+def block_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+               backend: str, out_dtype: torch.dtype = torch.bfloat16, group: int = 128) -> torch.Tensor:
+    """``(a * a_s) @ (b * b_s)^T`` with a in 1xG groups and b in GxG blocks (see module doc)."""
+    if backend == "scaled_mm":
+        return _scaled_mm(a, a_s, b, b_s, out_dtype, group)
+    if backend == "emulated":
+        return _emulated(a, a_s, b, b_s, out_dtype, group)
+    raise BackendUnavailable(f"unknown FP8 GEMM backend {backend!r}; use one of {', '.join(BACKENDS)}")

@@ -1,0 +1,253 @@
+"""The FP8 linear: autograd function, the per-step weight cache, Megatron column/row layers.
+
+Forward: x -> 1x128 FP8 (dynamic), weight -> cached 128x128 FP8, one block GEMM, BF16 out.
+Backward: dgrad in FP8 (dy in 1x128 groups along N, the *same* cached weight bytes through a
+transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along tokens, x re-blocked
+128x128 from the saved FP8 activations) or BF16 per recipe. Only the FP8 activations and their
+scales are saved for backward. Gradients between ops stay BF16; fp32 master weights stay in the
+optimizer.
+
+Fused weights are quantized per logical sub-matrix in the rollout's (HF/SGLang) layout: Megatron's
+``linear_qkv`` interleaves q, k, v per query group, SGLang's ``qkv_proj`` concatenates q, k, v;
+``linear_fc1`` is [gate; up] on both sides. The cache holds the weight rows permuted into the
+rollout layout (``perm``) so its bytes and ``weight_scale_inv`` are exactly what the rollout
+engine loads; the GEMM output is permuted back to Megatron's column order.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
+from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_blocks,
+                                            quantize_weight)
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+log = logging.getLogger(__name__)
+
+
+class FP8ModelState:
+    """Shared by all FP8 linears of one model: the recipe, the GEMM backend, the weight version
+    (bumped after every optimizer step), and whether the forward runs FP8 right now."""
+
+    def __init__(self, recipe: FP8Recipe, backend: str = "auto"):
+        self.recipe = recipe
+        self.requested_backend = backend
+        self.version = 0
+        # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
+        self.forward_fp8 = recipe.train_fp8
+
+    def bump(self) -> None:
+        """Invalidate every cached FP8 weight (call after the weights changed)."""
+        self.version += 1
+
+    @contextlib.contextmanager
+    def rollout_precision(self):
+        """Run the enclosed forwards with the rollout's precision (FP8 when the recipe says so)."""
+        before = self.forward_fp8
+        self.forward_fp8 = self.recipe.rollout_fp8
+        try:
+            yield
+        finally:
+            self.forward_fp8 = before
+
+
+class FP8WeightCache:
+    """The FP8 bytes and scales of one linear's weight for one version, in rollout layout."""
+
+    def __init__(self, sub_rows: list[int], perm: Optional[torch.Tensor]):
+        self.sub_rows = sub_rows
+        self.perm = perm
+        self.inv_perm = None if perm is None else torch.argsort(perm)
+        self.version = -1
+        self.qweight: Optional[torch.Tensor] = None
+        self.scale_inv: Optional[torch.Tensor] = None
+        self.refreshes = 0
+
+    def get(self, weight: torch.Tensor, state: FP8ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.version != state.version or self.qweight is None:
+            self.refresh(weight, state)
+        return self.qweight, self.scale_inv
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor, state: FP8ModelState) -> None:
+        w = weight.detach()
+        if self.perm is not None:
+            w = w.index_select(0, self.perm.to(w.device))
+        qs, ss = zip(*(quantize_weight(part, state.recipe) for part in w.split(self.sub_rows, 0)))
+        self.qweight, self.scale_inv = torch.cat(qs, 0), torch.cat(ss, 0)
+        self.version = state.version
+        self.refreshes += 1
+
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (fp8, scale_inv) of each logical sub-matrix (q, k, v / gate, up), rollout layout."""
+        out, row = [], 0
+        srow = 0
+        for n in self.sub_rows:
+            sn = -(-n // 128)
+            out.append((self.qweight[row:row + n], self.scale_inv[srow:srow + sn]))
+            row, srow = row + n, srow + sn
+        return out
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x @ W^T in block FP8; see the module docstring for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend):
+        lead, K = x.shape[:-1], x.shape[-1]
+        xq, xs = quantize_act(x.reshape(-1, K), recipe)
+        y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
+        if inv_perm is not None:
+            y = y.index_select(1, inv_perm)
+        ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
+        ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
+        return y.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
+        recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
+        N = dy.shape[-1]
+        dy2 = dy.reshape(-1, N)
+        if perm is not None:
+            dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
+        # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
+        dyq, dys = quantize_act(dy2, recipe)
+        dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
+        # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 (torch's blockwise
+        # scaled_mm needs one operand in 128x128 blocks).
+        x_deq = dequantize_act(xq, xs, g)
+        if recipe.wgrad == "fp8":
+            dyt_q, dyt_s = quantize_act(dy2.t(), recipe)
+            xt_q, xt_s = quantize_blocks(x_deq.t(), g, g, recipe)
+            dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=torch.float32, group=g)
+        else:
+            dw = dy2.t().float() @ x_deq
+        if inv_perm is not None:
+            dw = dw.index_select(0, inv_perm)
+        return dx.view(*dy.shape[:-1], dx.shape[-1]), dw.to(ctx.wdtype), None, None, None, None, None, None
+
+
+class FP8LinearMixin:
+    """Adds the FP8 path to a Megatron parallel linear. ``attach_fp8`` (below) configures it;
+    until then, or when the model state says BF16, the layer is the plain Megatron layer."""
+
+    fp8_state: Optional[FP8ModelState] = None
+    fp8_cache: Optional[FP8WeightCache] = None
+    fp8_backend: Optional[str] = None
+
+    def fp8_active(self) -> bool:
+        return self.fp8_state is not None and self.fp8_state.forward_fp8
+
+    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached FP8 weight (rollout layout) for the current version."""
+        return self.fp8_cache.get(self.weight, self.fp8_state)
+
+    def _fp8_matmul(self, input, weight, bias, allreduce_dgrad, tp_group):
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        if allreduce_dgrad:  # Megatron folds the TP dgrad all-reduce into its GEMM; we use the mapping.
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        qweight, scale_inv = self.fp8_weight()
+        cache = self.fp8_cache
+        out = FP8LinearFunction.apply(input, weight, qweight, scale_inv, cache.inv_perm, cache.perm,
+                                      self.fp8_state.recipe, self.fp8_backend)
+        return out if bias is None else out + bias
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not self.fp8_active() or weight is not self.weight:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return self._fp8_matmul(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
+                                kwargs.get("tp_group"))
+
+
+def _qkv_perm(rows: int, heads_per_group: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
+    """Megatron's per-group [q_g; k_g; v_g] rows -> [q; k; v] (SGLang qkv_proj order)."""
+    group = (heads_per_group + 2) * head_dim
+    groups = rows // group
+    idx = torch.arange(rows).view(groups, group)
+    qd = heads_per_group * head_dim
+    perm = torch.cat([idx[:, :qd].reshape(-1), idx[:, qd:qd + head_dim].reshape(-1),
+                      idx[:, qd + head_dim:].reshape(-1)])
+    return perm, [groups * qd, groups * head_dim, groups * head_dim]
+
+
+def _layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor]]:
+    rows, cols = module.weight.shape
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "linear_qkv":
+        hpg = config.num_attention_heads // config.num_query_groups
+        perm, sub = _qkv_perm(rows, hpg, config.kv_channels)
+        return sub, perm
+    if leaf == "linear_fc1" and config.gated_linear_unit:
+        return [rows // 2, rows // 2], None
+    return [rows], None
+
+
+def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
+               device: Optional[torch.device] = None) -> FP8ModelState:
+    """Configure every FP8 linear of ``model``; checks block alignment of each TP shard; logs and
+    returns the shared state. In ``bf16`` mode the layers stay BF16 (state.forward_fp8 False)."""
+    if device is None:
+        device = next(model.parameters()).device
+    state = FP8ModelState(recipe, backend)
+    resolved = resolve_backend(backend, device)
+    n = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, FP8LinearMixin):
+            continue
+        rows, cols = module.weight.shape
+        sub, perm = _layout(name, module, module.config)
+        g = recipe.group_size
+        if len(sub) > 1 and any(s % g for s in sub):
+            raise ValueError(
+                f"FP8: {name} splits into sub-matrices of {sub} rows on this tensor-parallel rank, "
+                f"not multiples of {g}: the rollout's 128x128 blocks would straddle q/k/v or gate/up; "
+                f"use head_dim*kv_heads/TP and ffn/TP divisible by {g}, or precision.mode=bf16")
+        tp = getattr(module, "tp_size", 1)
+        if tp > 1 and not getattr(module, "explicit_expert_comm", False):
+            split_dim = 0 if not hasattr(module, "input_is_parallel") else 1
+            size = rows if split_dim == 0 else cols
+            if size % g:
+                raise ValueError(f"FP8: {name} shard has {size} along the tensor-parallel split "
+                                 f"dimension, not a multiple of {g}; choose a tensor_parallel size "
+                                 f"that keeps shards {g}-aligned")
+        module.fp8_state = state
+        module.fp8_backend = resolved
+        module.fp8_cache = FP8WeightCache(sub, perm)
+        n += 1
+    state.num_fp8_layers = n
+    state.backend = resolved
+    log.info("FP8 %s: %d linear layers on the %s backend (train forward FP8: %s, rollout FP8: %s)",
+             recipe.mode, n, resolved, recipe.train_fp8, recipe.rollout_fp8)
+    return state
+
+
+def fp8_report(model: torch.nn.Module) -> dict[str, bool]:
+    """Every linear-like module of the model -> whether its forward runs FP8 right now."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8LinearMixin):
+            out[name] = module.fp8_active()
+        elif hasattr(module, "weight") and name.rsplit(".", 1)[-1] in ("output_layer", "router"):
+            out[name] = False
+    return out
+
+
+@torch.no_grad()
+def refresh_fp8_weights(model: torch.nn.Module, state: FP8ModelState) -> float:
+    """Bump the version and re-quantize every FP8 weight now (once per optimizer step);
+    returns seconds spent."""
+    state.bump()
+    t0 = time.perf_counter()
+    for module in model.modules():
+        if isinstance(module, FP8LinearMixin) and module.fp8_cache is not None:
+            module.fp8_cache.refresh(module.weight, state)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

@@ -1,0 +1,97 @@
+"""Block quantizers: activations and gradients in 1x128 groups, weights in 128x128 blocks.
+
+The rule (DESIGN.md, numerics contract; SGLang's CUDA ``per_token_group_quant_8bit``):
+
+    amax      = max(eps, max |x|) over the block               (float32)
+    fp32:     scale_inv = amax * fp32(1/448);  q = e4m3(clamp(x * fp32(448 / amax), -448, 448))
+    ue8m0:    e = ceil(log2(amax * fp32(1/448))); scale_inv = 2^e;  q = e4m3(clamp(x * 2^-e, ...))
+
+with round-to-nearest-even into E4M3. Sizes that are not multiples of the block are handled as
+SGLang does: the scale grid is ceil-divided and the last block is partial (padding never
+contributes to amax). Every function returns ``(q float8_e4m3fn, scale_inv float32)``.
+
+On CUDA, :func:`quantize_act` uses the fused Triton kernel of ``triton_quant.py`` (bit-identical,
+tested on the H200); the torch statement here is the reference and the CPU path.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+_INV_MAX = {}  # fp32(1/448), fp32(448) per fp8_max, as 0-d float32 tensors per device
+
+
+def _consts(recipe: FP8Recipe, device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (recipe.fp8_max, str(device))
+    if key not in _INV_MAX:
+        _INV_MAX[key] = (torch.tensor(1.0 / recipe.fp8_max, dtype=torch.float32, device=device),
+                         torch.tensor(recipe.fp8_max, dtype=torch.float32, device=device))
+    return _INV_MAX[key]
+
+
+def scales_from_amax(amax: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 amax per block -> (scale_inv, multiplier applied to x before the cast)."""
+    inv_max, fmax = _consts(recipe, amax.device)
+    amax = amax.float().clamp_min(recipe.amax_eps)
+    if recipe.scale_fmt == "fp32":
+        return amax * inv_max, fmax / amax
+    # ue8m0: exact ceil(log2(y)) from the float's exponent (frexp: y = m * 2^e, m in [0.5, 1)),
+    # so no transcendental rounding can move a power-of-two boundary.
+    mant, exp = torch.frexp(amax * inv_max)
+    e = torch.where(mant == 0.5, exp - 1, exp).float()
+    return torch.exp2(e), torch.exp2(-e)
+
+
+def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int, recipe: FP8Recipe
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor in ``block_rows x block_cols`` blocks; scale grid is ceil-divided."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    rb, cb = -(-rows // block_rows), -(-cols // block_cols)
+    x32 = x.float()
+    pad = torch.nn.functional.pad(x32.abs(), (0, cb * block_cols - cols, 0, rb * block_rows - rows))
+    amax = pad.view(rb, block_rows, cb, block_cols).amax(dim=(1, 3))
+    scale_inv, mult = scales_from_amax(amax, recipe)
+    mult_full = mult.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    q = (x32 * mult_full).clamp_(-recipe.fp8_max, recipe.fp8_max).to(recipe.dtype)
+    return q, scale_inv
+
+
+def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """1xG groups along the last dim: ``[..., K] -> q [..., K], scale_inv [..., ceil(K/G)]``.
+
+    Used for activations (groups along K) and for gradients (pass the tensor whose last dim is the
+    contraction dim of the GEMM that consumes it)."""
+    if use_triton is None:
+        use_triton = x.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import quantize_act_triton
+
+        return quantize_act_triton(x, recipe)
+    lead = x.shape[:-1]
+    q, s = quantize_blocks(x.reshape(-1, x.shape[-1]), 1, recipe.group_size, recipe)
+    return q.view(*lead, x.shape[-1]), s.view(*lead, s.shape[-1])
+
+
+def quantize_weight(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks: ``[N, K] -> q [N, K], scale_inv [ceil(N/128), ceil(K/128)]``."""
+    return quantize_blocks(w, *recipe.weight_block, recipe)
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks` (exact in float32: e4m3 x fp32 scale)."""
+    rows, cols = q.shape
+    s = scale_inv.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    return (q.float() * s).to(dtype)
+
+
+def dequantize_act(q: torch.Tensor, scale_inv: torch.Tensor, group: int = 128,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    lead = q.shape[:-1]
+    out = dequantize_blocks(q.reshape(-1, q.shape[-1]), scale_inv.reshape(-1, scale_inv.shape[-1]),
+                            1, group, dtype)
+    return out.view(*lead, q.shape[-1])

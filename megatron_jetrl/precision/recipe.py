@@ -1,0 +1,100 @@
+"""``FP8Recipe``: the single source of truth for the FP8 numbers (see the numerics contract in
+DESIGN.md). Training, rollout, weight export, checkpoint conversion, the SGLang launch
+arguments, the HF ``quantization_config`` and the TransformerEngine settings are all derived
+from one instance; nothing else re-states these numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# Module names (last component of a Megatron parameter's module path) by precision. The FP8
+# set is every linear inside the transformer blocks; everything else stays in BF16.
+FP8_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+BF16_MODULES = ("embedding", "output_layer", "input_layernorm", "pre_mlp_layernorm",
+                "q_layernorm", "k_layernorm", "final_layernorm", "core_attention", "router")
+# HF names that stay unquantized in an FP8 checkpoint (quantization_config.modules_to_not_convert).
+HF_MODULES_NOT_CONVERTED = ("lm_head", "embed_tokens", "norm", "mlp.gate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Recipe:
+    """Block-scaled E4M3 FP8: 128x128 weight blocks, 1x128 activation/gradient groups."""
+
+    mode: Literal["bf16", "fp8_rollout", "jet"] = "jet"
+    """Precision flow (see ``PrecisionConfig.mode``)."""
+    scale_fmt: Literal["fp32", "ue8m0"] = "fp32"
+    """fp32: ``scale_inv = amax * fp32(1/448)``; ue8m0: ``2^ceil(log2(amax * fp32(1/448)))``."""
+    wgrad: Literal["fp8", "bf16"] = "fp8"
+    """Weight-gradient GEMM precision in jet mode."""
+    weight_block: tuple[int, int] = (128, 128)
+    """Weight block [rows (N), cols (K)]."""
+    group_size: int = 128
+    """Activation and gradient group length along the contraction dimension."""
+    amax_eps: float = 1e-10
+    """Lower bound of a block's amax (an all-zero block gets a tiny, finite scale)."""
+
+    fmt: str = "e4m3"
+    dtype: torch.dtype = torch.float8_e4m3fn
+    fp8_max: float = 448.0
+
+    def __post_init__(self):
+        if self.mode not in ("bf16", "fp8_rollout", "jet"):
+            raise ValueError(f"FP8Recipe.mode={self.mode!r}: use bf16, fp8_rollout or jet")
+        if self.scale_fmt not in ("fp32", "ue8m0"):
+            raise ValueError(f"FP8Recipe.scale_fmt={self.scale_fmt!r}: use fp32 or ue8m0")
+        if self.weight_block != (self.group_size, self.group_size):
+            raise ValueError("FP8Recipe: weight_block must be (group_size, group_size): the "
+                             "backward reuses the forward weight blocks along both dimensions")
+
+    @classmethod
+    def from_config(cls, precision) -> "FP8Recipe":
+        """From a ``config.PrecisionConfig``."""
+        return cls(mode=precision.mode, scale_fmt=precision.scale_fmt, wgrad=precision.wgrad)
+
+    # -- which side runs FP8 ------------------------------------------------------------------
+    @property
+    def train_fp8(self) -> bool:
+        """The training forward runs the FP8 linears (jet mode only)."""
+        return self.mode == "jet"
+
+    @property
+    def rollout_fp8(self) -> bool:
+        """Rollout runs block FP8 (jet and fp8_rollout)."""
+        return self.mode in ("jet", "fp8_rollout")
+
+    @staticmethod
+    def is_fp8_module(name: str) -> bool:
+        """Whether the Megatron module named ``name`` (dotted path) is an FP8 linear."""
+        return name.rsplit(".", 1)[-1] in FP8_MODULES
+
+    # -- derived settings for other systems ------------------------------------------------------
+    def hf_quantization_config(self) -> dict:
+        """HF ``config.json`` ``quantization_config`` of the block-FP8 format (DeepSeek-V3 style)."""
+        cfg = {
+            "quant_method": "fp8",
+            "fmt": self.fmt,
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block),
+            "modules_to_not_convert": list(HF_MODULES_NOT_CONVERTED),
+        }
+        if self.scale_fmt == "ue8m0":
+            cfg["scale_fmt"] = "ue8m0"
+        return cfg
+
+    def sglang_args(self) -> dict:
+        """SGLang ``ServerArgs`` fields that make a server run this recipe. The block size and
+        scale format travel in the model's config.json (``hf_quantization_config``)."""
+        if not self.rollout_fp8:
+            return {"dtype": "bfloat16"}
+        return {"dtype": "bfloat16", "quantization": "fp8"}
+
+    def te_settings(self) -> dict:
+        """TransformerEngine settings that reproduce this recipe (``precision.backend=te``)."""
+        return {
+            "fp8": "e4m3",
+            "fp8_recipe": "blockwise",
+            "env": {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1" if self.scale_fmt == "fp32" else "0"},
+        }

@@ -1,0 +1,64 @@
+"""Fused Triton kernel for the 1x128 activation/gradient quantizer (CUDA only).
+
+One program quantizes a [BLOCK_M, G] tile: amax, scale and the E4M3 cast in one pass over the
+input. Bit-identical to ``quant.quantize_act``'s torch statement (tested on the H200,
+``tests/test_gpu.py``): the division is IEEE round-to-nearest (``div_rn``, not the approximate
+``/``), ue8m0's ceil(log2) is read from the float's exponent bits, and the cast is the hardware
+round-to-nearest-even with saturation at 448.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                      inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                      UE8M0: tl.constexpr):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * G + tl.arange(0, G)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    if UE8M0:
+        y = amax * inv_max
+        bits = y.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * inv_max
+        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
+    q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
+
+
+def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., K] -> (q [..., K], scale_inv [..., ceil(K/G)])``; ``scale_col_major`` lays the
+    scales out as [M, groups] with strides (1, M), the form ``scaled_mm`` wants."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, G = x2.shape[0], recipe.group_size
+    ng = triton.cdiv(K, G)
+    q = torch.empty((M, K), dtype=recipe.dtype, device=x.device)
+    s = (torch.empty((ng, M), dtype=torch.float32, device=x.device).t() if scale_col_major
+         else torch.empty((M, ng), dtype=torch.float32, device=x.device))
+    if M:
+        block_m = 16 if M >= 4096 else 4
+        grid = (triton.cdiv(M, block_m), ng)
+        _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", num_warps=4)
+    if scale_col_major:
+        return q.view(*lead, K), s
+    return q.view(*lead, K), s.view(*lead, ng)
