@@ -139,7 +139,8 @@ class ModelConfig:
             "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": self.qkv_bias,
         }
         if self.is_moe:
-            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_top_k,
+            cfg.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                       num_experts_per_tok=self.moe_top_k,
                        moe_intermediate_size=self.moe_ffn_hidden_size,
                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
         return cfg
@@ -163,7 +164,8 @@ def model_fields_from_hf(hf: dict) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
     )
     if model_type == "qwen3_moe":
-        out.update(num_experts=hf["num_experts"], moe_top_k=hf["num_experts_per_tok"],
+        experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 renamed it
+        out.update(num_experts=experts, moe_top_k=hf["num_experts_per_tok"],
                    moe_ffn_hidden_size=hf["moe_intermediate_size"],
                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
     return out

@@ -28,13 +28,14 @@ _ENABLED = False
 
 
 class _Stream:
-    """Stand-in for ``torch.cuda.Stream``/``Event``: every method is a no-op."""
+    """Stand-in for ``torch.cuda.Stream``/``Event``: every method is a no-op that returns another
+    stand-in (``record_event()`` gives an event to ``synchronize()`` later)."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __getattr__(self, name):
-        return lambda *a, **k: 0.0 if name == "elapsed_time" else None
+        return lambda *a, **k: 0.0 if name == "elapsed_time" else _Stream()
 
 
 def _cpu_device(value):

@@ -1,0 +1,51 @@
+"""Tiny random HF models (built with transformers from local configs) saved as safetensors."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Shapes chosen so every FP8 sub-matrix (q, k, v, gate, up) is a multiple of 128 rows at TP=1 and 2.
+BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=64, intermediate_size=512, vocab_size=384, rms_norm_eps=1e-6,
+            max_position_embeddings=256, tie_word_embeddings=False)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def hf_config(model_type: str, **over):
+    import transformers
+
+    kw = dict(BASE, **over)
+    if model_type == "llama":
+        cfg = transformers.LlamaConfig(**kw, attention_bias=False, mlp_bias=False, rope_parameters=ROPE)
+    elif model_type == "qwen2":
+        cfg = transformers.Qwen2Config(**kw, rope_parameters=ROPE)
+    elif model_type == "qwen3":
+        cfg = transformers.Qwen3Config(**kw, rope_parameters=ROPE)
+    elif model_type == "qwen3_moe":
+        kw.setdefault("num_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("moe_intermediate_size", 256)
+        cfg = transformers.Qwen3MoeConfig(**kw, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=True, rope_parameters=ROPE)
+    else:
+        raise ValueError(model_type)
+    return cfg
+
+
+def make_hf_model(model_type: str, path: str, seed: int = 0, **over):
+    """Random tiny model of ``model_type`` saved to ``path``; returns the transformers model (fp32)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = hf_config(model_type, **over)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1: perturb so a swapped norm would show in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
