@@ -45,6 +45,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=1,  # experts are split over EP only (name tables assume it)
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

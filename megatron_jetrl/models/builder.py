@@ -48,7 +48,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
-        expert_model_parallel_size=parallel.expert_parallel,
+        expert_model_parallel_size=parallel.expert_parallel, expert_tensor_parallel_size=1,
         use_cpu_initialization=not torch.cuda.is_available(),
         sequence_parallel=False, **moe,
     )

@@ -1,0 +1,45 @@
+"""Run a function in N gloo processes (spawned) and collect what each returns."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, out_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
+    try:
+        result = fn(rank, world, *args)
+        payload = ("ok", result)
+    except BaseException:  # report the worker's traceback to the test
+        payload = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(payload, f)
+
+
+def run_workers(fn, world: int, *args, timeout: float = 900):
+    """``fn(rank, world, *args)`` in ``world`` processes; returns the list of results by rank."""
+    out_dir = tempfile.mkdtemp(prefix="jetrl-dist-")
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+                             join=False, start_method="spawn")
+    while not ctx.join(timeout=timeout):
+        pass
+    results = []
+    for rank in range(world):
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+            status, value = pickle.load(f)
+        if status != "ok":
+            raise AssertionError(f"worker {rank} failed:\n{value}")
+        results.append(value)
+    return results

@@ -1,0 +1,65 @@
+"""Functions run inside spawned gloo processes (see tests/dist.py)."""
+from __future__ import annotations
+
+import torch
+
+
+def build_loaded(hf_dir: str, overrides: list[str]):
+    """init megatron for the layout in ``overrides`` and load the HF checkpoint (fp32)."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.distributed import init_distributed
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.models.hf_io import load_hf_weights
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", "precision.params_dtype=fp32", *overrides])
+    init_distributed(cfg.parallel)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision),
+                               torch.float32, backend="emulated")
+    load_hf_weights(model, cfg.model, hf_dir, state)
+    return cfg, model, state
+
+
+def mean_nll(model, tokens: torch.Tensor, forward_only: bool = True):
+    """Mean next-token NLL through the pipeline schedule; None on non-last stages."""
+    from megatron.core import parallel_state
+
+    from megatron_jetrl.trainer.pipeline import run_microbatches
+
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    mb = {"tokens": inputs, "labels": labels,
+          "position_ids": torch.arange(inputs.shape[1]).expand_as(inputs)}
+
+    def loss_func(mb, nll):
+        loss = nll.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    out = run_microbatches(model, [mb], loss_func, forward_only)
+    if parallel_state.is_pipeline_last_stage():
+        return float(out[0]["loss"])
+    return None
+
+
+def layouts_worker(rank, world, layouts, tokens):
+    """For each ``name: (hf_dir, overrides)``: the mean NLL, and (PP=1) the full logits
+    gathered over TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from megatron_jetrl.distributed import destroy_distributed
+
+    results = {}
+    for name, (hf_dir, overrides) in layouts.items():
+        cfg, model, _ = build_loaded(hf_dir, overrides)
+        model.eval()
+        with torch.no_grad():
+            loss = mean_nll(model, tokens)
+            logits = None
+            if cfg.parallel.pipeline_parallel == 1:
+                pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+                logits = gather_from_tensor_model_parallel_region(model(tokens, pos, None))
+        results[name] = {"loss": loss, "logits": logits}
+        dist.barrier()
+    destroy_distributed()
+    return results
