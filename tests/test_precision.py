@@ -1,0 +1,186 @@
+"""Precision core on CPU: quantizers vs an independent float64 statement of the rule, the FP8
+linear's gradients vs fp32 autograd, the weight cache, and the Megatron integration."""
+import numpy as np
+import pytest
+import torch
+
+from megatron_jetrl.precision.gemm import BackendUnavailable, block_gemm, resolve_backend
+from megatron_jetrl.precision.linear import FP8LinearFunction, _qkv_perm
+from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, quantize_act,
+                                            quantize_blocks, quantize_weight)
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+F32 = np.float32
+
+
+def e4m3_rne(v: np.ndarray) -> np.ndarray:
+    """Round float64 values (|v| <= 448) to E4M3 (bias 7, 3 mantissa bits, subnormal step 2^-9),
+    ties to even; written from the format's definition, not from torch's cast."""
+    a = np.abs(v)
+    _, e = np.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    exp = np.maximum(e - 1, -6)
+    quantum = np.exp2(exp - 3.0)
+    return np.sign(v) * np.rint(a / quantum) * quantum
+
+
+def reference_blocks(x: np.ndarray, br: int, bc: int, scale_fmt: str):
+    """The numerics contract in float64 with float32 rounding where the rule says fp32."""
+    rows, cols = x.shape
+    x = x.astype(F32).astype(np.float64)
+    rb, cb = -(-rows // br), -(-cols // bc)
+    q = np.zeros_like(x)
+    s = np.zeros((rb, cb))
+    inv448 = float(F32(1.0 / 448.0))
+    for i in range(rb):
+        for j in range(cb):
+            blk = x[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            amax = max(float(F32(1e-10)), float(np.abs(blk).max()))
+            if scale_fmt == "fp32":
+                scale_inv = float(F32(amax * inv448))
+                mult = float(F32(448.0 / amax))
+            else:
+                y = float(F32(amax * inv448))
+                m, e = np.frexp(y)
+                e = e - 1 if m == 0.5 else e
+                scale_inv, mult = 2.0 ** e, 2.0 ** -e
+            scaled = np.clip((blk * mult).astype(F32).astype(np.float64), -448, 448)
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = e4m3_rne(scaled)
+            s[i, j] = scale_inv
+    return q, s
+
+
+def _data(shape, seed, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+    if outliers:
+        x[0, 0] = 900.0
+        x[-1, -1] = -1e-7
+    return x
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("shape,block", [((7, 300), (1, 128)), ((64, 256), (1, 128)),
+                                         ((300, 200), (128, 128)), ((256, 384), (128, 128))])
+def test_quantizer_matches_float64_reference(shape, block, scale_fmt):
+    recipe = FP8Recipe(scale_fmt=scale_fmt)
+    x = _data(shape, seed=shape[0])
+    q, s = quantize_blocks(x, *block, recipe)
+    ref_q, ref_s = reference_blocks(x.numpy(), *block, scale_fmt)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))  # ceil-div like SGLang
+    np.testing.assert_array_equal(s.double().numpy(), ref_s)
+    np.testing.assert_array_equal(q.double().numpy(), ref_q)
+    if scale_fmt == "ue8m0":  # powers of two
+        m, _ = np.frexp(s.numpy())
+        assert np.all(m == 0.5)
+
+
+def test_bf16_input_and_wrappers_agree():
+    recipe = FP8Recipe()
+    x = _data((15, 256), seed=3).view(5, 3, 256).bfloat16()
+    q, s = quantize_act(x, recipe)
+    assert q.shape == x.shape and s.shape == (5, 3, 2)
+    q2, s2 = quantize_blocks(x.reshape(15, 256), 1, 128, recipe)
+    assert torch.equal(q.view(15, 256).view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s.view(15, 2), s2)
+    w = _data((256, 256), seed=4)
+    qw, sw = quantize_weight(w, recipe)
+    assert sw.shape == (2, 2)
+
+
+def test_saturation_zero_blocks_and_error_bound():
+    recipe = FP8Recipe()
+    x = _data((4, 256), seed=5)
+    x[1, :128] = 0.0
+    q, s = quantize_act(x, recipe)
+    # every non-zero group's largest magnitude lands on +-448, exactly the format's max
+    amax_q = q.float().abs().view(4, 2, 128).amax(-1)
+    assert torch.all((amax_q == 448.0) | (s.view(4, 2) < 1e-12))
+    # an all-zero group: tiny finite scale, zero bytes
+    assert s[1, 0].item() == pytest.approx(1e-10 / 448, rel=1e-6) and torch.all(q[1, :128].float() == 0)
+    # dequantized error <= half an E4M3 ulp (2^-4 relative) or the subnormal step
+    deq = dequantize_act(q, s)
+    bound = torch.maximum(x.abs() * 2.0 ** -4, s.repeat_interleave(128, 1) * 2.0 ** -9)
+    assert torch.all((deq - x).abs() <= bound + 1e-30)
+
+
+def test_tp_shards_quantize_like_the_whole_tensor():
+    recipe = FP8Recipe()
+    w = _data((512, 768), seed=6)
+    q, s = quantize_weight(w, recipe)
+    for dim in (0, 1):  # column-parallel rows / row-parallel columns, 128-aligned shards
+        for r, part in enumerate(w.chunk(2, dim)):
+            qp, sp = quantize_weight(part, recipe)
+            assert torch.equal(qp.view(torch.uint8), q.chunk(2, dim)[r].view(torch.uint8))
+            assert torch.equal(sp, s.chunk(2, dim)[r])
+
+
+def test_backend_resolution_errors():
+    assert resolve_backend("auto", torch.device("cpu")) == "emulated"
+    with pytest.raises(BackendUnavailable, match="precision.backend=scaled_mm is unavailable"):
+        resolve_backend("scaled_mm", torch.device("cpu"))
+    with pytest.raises(BackendUnavailable, match="not an FP8 GEMM backend"):
+        resolve_backend("cutlass", torch.device("cpu"))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fp8_linear_forward_backward_vs_fp32(wgrad):
+    """Stated bounds: forward, dgrad, wgrad within 5% relative Frobenius error of fp32 autograd
+    (E4M3 rounds each operand by <= 2^-4 relative; errors average over the contraction)."""
+    recipe = FP8Recipe(wgrad=wgrad)
+    torch.manual_seed(0)
+    x = torch.randn(96, 384, requires_grad=True)
+    w = (torch.randn(256, 384) * 0.05).requires_grad_()
+    qw, sw = quantize_weight(w.detach(), recipe)
+    y = FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, "emulated")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_ref = x_ref @ w_ref.t()
+    y_ref.backward(dy)
+    assert _rel(y, y_ref) < 0.05
+    assert _rel(x.grad, x_ref.grad) < 0.05
+    assert _rel(w.grad, w_ref.grad) < 0.05
+    # FP8 is really in the path: not bit-equal to fp32
+    assert _rel(y, y_ref) > 1e-4
+    # forward = the dequantized GEMM of exactly the quantized operands
+    xq, xs = quantize_act(x.detach(), recipe)
+    exact = dequantize_act(xq, xs) @ dequantize_blocks(qw, sw, 128, 128).t()
+    assert torch.equal(y.detach(), exact)
+
+
+def test_fp8_linear_with_qkv_permutation():
+    """The cache holds rows in SGLang's [q; k; v] order; outputs and weight gradients come back
+    in Megatron's per-group order."""
+    recipe = FP8Recipe()
+    heads_per_group, head_dim, groups = 2, 64, 2
+    rows = groups * (heads_per_group + 2) * head_dim
+    perm, sub = _qkv_perm(rows, heads_per_group, head_dim)
+    assert sub == [256, 128, 128]
+    torch.manual_seed(1)
+    x = torch.randn(40, 256, requires_grad=True)
+    w = (torch.randn(rows, 256) * 0.05).requires_grad_()
+    w_export = w.detach()[perm]
+    qs, ss = zip(*(quantize_weight(p, recipe) for p in w_export.split(sub, 0)))
+    qw, sw = torch.cat(qs), torch.cat(ss)
+    y = FP8LinearFunction.apply(x, w, qw, sw, torch.argsort(perm), perm, recipe, "emulated")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (x_ref @ w_ref.t()).backward(dy)
+    assert _rel(y, x_ref @ w_ref.t()) < 0.05
+    assert _rel(x.grad, x_ref.grad) < 0.05 and _rel(w.grad, w_ref.grad) < 0.05
+
+
+def test_block_gemm_emulated_matches_definition():
+    recipe = FP8Recipe()
+    a = torch.randn(33, 200)
+    b = torch.randn(130, 200)
+    aq, as_ = quantize_act(a, recipe)
+    bq, bs = quantize_weight(b, recipe)
+    out = block_gemm(aq, as_, bq, bs, "emulated", torch.float32)
+    ref = dequantize_act(aq, as_).double() @ dequantize_blocks(bq, bs, 128, 128).double().t()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
