@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
-from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_blocks,
+from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_transposed,
                                             quantize_weight)
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -100,7 +100,7 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend):
         lead, K = x.shape[:-1], x.shape[-1]
-        xq, xs = quantize_act(x.reshape(-1, K), recipe)
+        xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
         y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
         if inv_perm is not None:
             y = y.index_select(1, inv_perm)
@@ -117,17 +117,16 @@ class FP8LinearFunction(torch.autograd.Function):
         if perm is not None:
             dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
         # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
-        dyq, dys = quantize_act(dy2, recipe)
+        dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
         dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
-        # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 (torch's blockwise
-        # scaled_mm needs one operand in 128x128 blocks).
-        x_deq = dequantize_act(xq, xs, g)
+        # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
+        # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
         if recipe.wgrad == "fp8":
-            dyt_q, dyt_s = quantize_act(dy2.t(), recipe)
-            xt_q, xt_s = quantize_blocks(x_deq.t(), g, g, recipe)
+            dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
+            xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
             dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=torch.float32, group=g)
         else:
-            dw = dy2.t().float() @ x_deq
+            dw = dy2.t().float() @ dequantize_act(xq, xs, g)
         if inv_perm is not None:
             dw = dw.index_select(0, inv_perm)
         return dx.view(*dy.shape[:-1], dx.shape[-1]), dw.to(ctx.wdtype), None, None, None, None, None, None

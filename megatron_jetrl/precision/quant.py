@@ -59,26 +59,47 @@ def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int, recipe: F
     return q, scale_inv
 
 
-def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
+                 scale_col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """1xG groups along the last dim: ``[..., K] -> q [..., K], scale_inv [..., ceil(K/G)]``.
 
     Used for activations (groups along K) and for gradients (pass the tensor whose last dim is the
-    contraction dim of the GEMM that consumes it)."""
+    contraction dim of the GEMM that consumes it). ``scale_col_major`` (2-D input) returns the
+    scales with strides (1, M), the layout ``scaled_mm`` takes without a copy."""
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
         from megatron_jetrl.precision.triton_quant import quantize_act_triton
 
-        return quantize_act_triton(x, recipe)
+        return quantize_act_triton(x, recipe, scale_col_major)
     lead = x.shape[:-1]
     q, s = quantize_blocks(x.reshape(-1, x.shape[-1]), 1, recipe.group_size, recipe)
+    if scale_col_major:
+        return q, s.t().contiguous().t()
     return q.view(*lead, x.shape[-1]), s.view(*lead, s.shape[-1])
 
 
 def quantize_weight(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks: ``[N, K] -> q [N, K], scale_inv [ceil(N/128), ceil(K/128)]``."""
     return quantize_blocks(w, *recipe.weight_block, recipe)
+
+
+def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
+                        x_scale: torch.Tensor | None = None, use_triton: bool | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x^T`` quantized in groups of G along x's rows, for the wgrad GEMM: 1xG groups
+    (``tile_scale=False``, scales [C, R/G]) or GxG blocks (scales [C/G, R/G]). With ``x_scale``,
+    ``x`` is FP8 in 1xG groups along its columns and is dequantized first (the saved activation)."""
+    if use_triton is None:
+        use_triton = x.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import quantize_transposed_triton
+
+        return quantize_transposed_triton(x, recipe, tile_scale, x_scale)
+    if x_scale is not None:
+        x = dequantize_blocks(x, x_scale, 1, recipe.group_size)
+    g = recipe.group_size
+    return quantize_blocks(x.t(), g if tile_scale else 1, g, recipe)
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,

@@ -62,3 +62,59 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if scale_col_major:
         return q.view(*lead, K), s
     return q.view(*lead, K), s.view(*lead, ng)
+
+
+@triton.jit
+def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, stride_qc, stride_sc,
+                    inv_max, fmax, eps, G: tl.constexpr, DEQUANT: tl.constexpr,
+                    TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr):
+    # Tile [G rows (r), G cols (c)] of x [R, C]; writes y = x^T [C, R] quantized with groups of G
+    # along r: one scale per output row (1xG, TILE_SCALE=False) or per tile (GxG).
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * G + tl.arange(0, G)
+    cols = pid_c * G + tl.arange(0, G)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DEQUANT:  # x is fp8 with one scale per (row, G-column group): exact same product as torch
+        xs = tl.load(xs_ptr + rows * stride_xsr + pid_c, mask=rows < R, other=0.0)
+        x = x * xs[:, None]
+    if TILE_SCALE:
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), eps)
+        amax = tl.full((G,), 0.0, tl.float32) + amax
+    else:
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
+    if UE8M0:
+        y = amax * inv_max
+        bits = y.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * inv_max
+        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
+    q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
+    tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
+    if TILE_SCALE:
+        tl.store(s_ptr + pid_c * stride_sc + pid_r + tl.arange(0, G) * 0, scale_inv, mask=tl.arange(0, G) == 0)
+    else:
+        tl.store(s_ptr + cols * stride_sc + pid_r, scale_inv, mask=cols < C)
+
+
+def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
+                               x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] (or fp8 x with ``x_scale`` [R, ceil(C/G)]) -> x^T [C, R] quantized in groups of G
+    along R: scales [C, ceil(R/G)] (1xG) or [ceil(C/G), ceil(R/G)] (GxG, ``tile_scale``)."""
+    x = x.contiguous()
+    R, C = x.shape
+    G = recipe.group_size
+    rb, cb = triton.cdiv(R, G), triton.cdiv(C, G)
+    q = torch.empty((C, R), dtype=recipe.dtype, device=x.device)
+    s = torch.empty((cb, rb) if tile_scale else (C, rb), dtype=torch.float32, device=x.device)
+    if R and C:
+        xs = x_scale.contiguous() if x_scale is not None else s
+        _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+                                  DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
+                                  UE8M0=recipe.scale_fmt == "ue8m0", num_warps=8)
+    return q, s

@@ -1,0 +1,97 @@
+"""``jetrl bench linear``: block-FP8 linear vs BF16 at training shapes (forward, forward+backward,
+quantization share) and, with ``--decode``, at decode sizes, in one run on one GPU."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.bench.timing import time_ms
+from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
+from megatron_jetrl.precision.linear import FP8LinearFunction
+from megatron_jetrl.precision.quant import quantize_act, quantize_weight
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+TRAIN_SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]  # (N, K)
+DECODE_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
+DECODE_M = [1, 16, 64, 256, 1024]
+
+
+def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> dict:
+    dev = torch.device("cuda")
+    backend = resolve_backend("auto", dev)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+    qw, sw = quantize_weight(w, recipe)
+    xq, xs = quantize_act(x, recipe, scale_col_major=True)
+    row = {"M": M, "N": N, "K": K, "backend": backend}
+    row["bf16_fwd_ms"] = time_ms(lambda: F.linear(x, w))
+    row["act_quant_ms"] = time_ms(lambda: quantize_act(x, recipe, scale_col_major=True))
+    row["fp8_gemm_ms"] = time_ms(lambda: block_gemm(xq, xs, qw, sw, backend))
+    row["fp8_fwd_ms"] = time_ms(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend))
+    row["weight_quant_ms"] = time_ms(lambda: quantize_weight(w, recipe))
+    row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
+    row["act_quant_share_of_gemm"] = row["act_quant_ms"] / row["fp8_gemm_ms"]
+    flops = 2 * M * N * K
+    row["fp8_fwd_tflops"] = flops / row["fp8_fwd_ms"] / 1e9
+    row["bf16_fwd_tflops"] = flops / row["bf16_fwd_ms"] / 1e9
+    row["fp8_weight_GBps"] = (N * K + N * K // 16384 * 4) / row["fp8_gemm_ms"] / 1e6
+    row["bf16_weight_GBps"] = 2 * N * K / row["bf16_fwd_ms"] / 1e6
+    # agreement with the dequantized reference (emulated backend, same bytes)
+    ref = block_gemm(xq, xs, qw, sw, "emulated", torch.float32)
+    out = block_gemm(xq, xs, qw, sw, backend, torch.float32)
+    row["scaled_mm_vs_emulated_rel"] = ((out - ref).norm() / ref.norm()).item()
+    if backward:
+        xg = x.clone().requires_grad_()
+        wg = w.clone().requires_grad_()
+        dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+
+        def bf16_step():
+            F.linear(xg, wg).backward(dy)
+
+        def fp8_step():
+            FP8LinearFunction.apply(xg, wg, qw, sw, None, None, recipe, backend).backward(dy)
+
+        row["bf16_fwdbwd_ms"] = time_ms(bf16_step)
+        row["fp8_fwdbwd_ms"] = time_ms(fp8_step)
+        row["fwdbwd_speedup"] = row["bf16_fwdbwd_ms"] / row["fp8_fwdbwd_ms"]
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="jetrl bench linear", description=__doc__)
+    ap.add_argument("--tokens", type=int, default=16384, help="M for the training shapes")
+    ap.add_argument("--decode", action="store_true", help="decode sizes M in 1..1024 instead")
+    ap.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], default="fp32")
+    ap.add_argument("--json", help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("jetrl bench linear needs a CUDA GPU (Hopper for the scaled_mm backend)")
+    recipe = FP8Recipe(scale_fmt=args.scale_fmt)
+    rows = []
+    if args.decode:
+        for N, K in DECODE_SHAPES:
+            for M in DECODE_M:
+                rows.append(bench_shape(M, N, K, recipe, backward=False))
+    else:
+        for N, K in TRAIN_SHAPES:
+            rows.append(bench_shape(args.tokens, N, K, recipe, backward=True))
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
+    cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "act_quant_share_of_gemm",
+            "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
+            "weight_quant_ms", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
+    cols = [c for c in cols if c in rows[0]]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
