@@ -5,7 +5,7 @@
 GEMMs of a linear layer take this form (see ``linear.py``):
 
     forward  y  = x  @ W^T : a = x  (groups along K),   b = W          (blocks)
-    dgrad    dx = dy @ W   : a = dy (groups along N),   b = W^T (view) (same blocks, no 2nd copy)
+    dgrad    dx = dy @ W   : a = dy (groups along N),   b = W^T (same blocks and bytes: no re-quantization)
     wgrad    dW = dy^T @ x : a = dy^T (groups along M), b = x^T in 128x128 blocks
 
 torch's blockwise ``scaled_mm`` rejects 1x128 x 1x128, which is why wgrad re-blocks ``x``.
@@ -86,16 +86,25 @@ def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
 
     M, Kc = a.shape
     N = b.shape[0]
-    if Kc % group or N % 16:
-        # cuBLAS wants whole K groups and N multiple of 16: zero-pad (zeros add nothing) and
-        # give the padded groups scale 1.
-        Kp, Np = -(-Kc // group) * group, -(-N // 16) * 16
-        a = _pad_to(a.view(torch.uint8), M, Kp).view(a.dtype)
+    # cuBLAS (seen on the H200, torch 2.11): whole K groups, a K-block count that is a multiple
+    # of 4 (scale shapes are checked as [round_up(Kc/128, 4), N/128]), M and N multiples of 16
+    # (M=1 and M=77 fail with CUBLAS_STATUS_NOT_SUPPORTED). Zero-pad otherwise: zero elements
+    # add nothing; padded groups get scale 1.
+    kq = 4 * group
+    if Kc % kq or N % 16 or M % 16:
+        Kp, Np, Mp = -(-Kc // kq) * kq, -(-N // 16) * 16, -(-M // 16) * 16
+        a = _pad_to(a.view(torch.uint8), Mp, Kp).view(a.dtype)
+        a_s = _pad_to(a_s, Mp, Kp // group)
+        a_s[:, -(-Kc // group):] = 1.0
         b = _pad_to(b.contiguous().view(torch.uint8), Np, Kp).view(b.dtype)
         b_s = _pad_to(b_s, -(-Np // group), Kp // group)
-        out = _scaled_mm(a, a_s, b, b_s, out_dtype, group)
-        return out[:, :N]
-    # mat2 = b^T [Kc, Nout]; its scale is b_s^T [Kc/128, Nout/128], both passed as views.
+        b_s[:, -(-Kc // group):] = 1.0
+        return _scaled_mm(a, a_s, b, b_s, out_dtype, group)[:M, :N]
+    # cuBLASLt multiplies a row-major mat1 by a column-major mat2 only: mat2 = b^T must be a view
+    # of a row-major b. For dgrad (b = W^T, a view of the cached W) that is one byte-for-byte
+    # transposed copy of the same FP8 blocks: no re-quantization, same bytes as the forward.
+    if b.stride(1) != 1:
+        b = b.contiguous()
     return scaled_mm(a, b.t(), _col_major(a_s), ScalingType.BlockWise1x128,
                      _col_major(b_s.t()), ScalingType.BlockWise128x128, output_dtype=out_dtype)
 
