@@ -260,6 +260,8 @@ class AlgoConfig:
     """Truncated importance sampling cap C (fp8_rollout mode); None = off."""
     micro_batch_size: int = 8
     """Sequences per forward/backward micro-batch."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
 
     def __post_init__(self):
         _positive(self, "algo", "lr", "micro_batch_size")
@@ -287,6 +289,8 @@ class DataConfig:
     """Column holding the reference answer."""
     reward: str = "math"
     """Reward function name in the reward registry."""
+    synthetic_size: int = 2000
+    """Prompts generated for the built-in synthetic task (when ``path`` is None)."""
 
 
 @dataclass(kw_only=True)
@@ -347,6 +351,9 @@ class JetConfig:
         if m.is_moe:
             _check(m.moe_ffn_hidden_size % tp == 0, "parallel.tensor_parallel",
                    f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
+        _check(self.rollout.engine != "local" or p.pipeline_parallel == 1, "rollout.engine",
+               "the in-process engine runs the trainer's model and needs pipeline_parallel=1",
+               "set parallel.pipeline_parallel=1 or rollout.engine=sglang")
         _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",
                f"truncated importance sampling is for fp8_rollout, mode is {self.precision.mode}",
                "set algo.tis_cap=null or precision.mode=fp8_rollout")

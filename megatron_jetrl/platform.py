@@ -95,7 +95,8 @@ def enable_cpu_megatron() -> bool:
     @functools.wraps(original_type)
     def _type(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and self.device.type == "cpu":
-            return original_type(self).replace("torch.", "torch.cuda.", 1)
+            name = original_type(self)  # may re-enter through the TorchFunctionMode: map once
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = _type

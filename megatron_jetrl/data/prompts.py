@@ -1,0 +1,91 @@
+"""Prompt sets: JSONL / Parquet files (prompt, answer, optional metadata) and the built-in
+synthetic arithmetic task of the tiny preset."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    prompt: str
+    answer: str
+    metadata: dict = field(default_factory=dict)
+
+
+def load_prompts(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Sample]:
+    """Read ``path`` (.jsonl or .parquet); every row needs ``prompt_key`` and ``answer_key``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data.path: {path!r} not found; give a .jsonl or .parquet prompt file")
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError("Parquet prompts need pyarrow: pip install 'megatron_jetrl[data]'") from None
+        rows = pq.read_table(path).to_pylist()
+    elif path.endswith((".jsonl", ".json")):
+        rows = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"data.path: {path}:{n} is not valid JSON ({e.msg}); "
+                                         "write one JSON object per line") from None
+    else:
+        raise ValueError(f"data.path: {path!r} has an unknown extension; use .jsonl or .parquet")
+    out = []
+    for n, row in enumerate(rows, 1):
+        for key in (prompt_key, answer_key):
+            if key not in row:
+                raise ValueError(f"data.path: row {n} of {path} has no {key!r} field; "
+                                 f"set data.prompt_key/data.answer_key to its column names")
+        meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        out.append(Sample(str(row[prompt_key]), str(row[answer_key]), meta))
+    if not out:
+        raise ValueError(f"data.path: {path} holds no rows")
+    return out
+
+
+def synthetic_arithmetic(n: int, seed: int = 0, max_operand: int = 9) -> list[Sample]:
+    """``a+b=`` -> ``a+b`` for single digits: a verifiable task a tiny model learns in minutes."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        out.append(Sample(f"{a}+{b}=", str(a + b), {"a": a, "b": b}))
+    return out
+
+
+class PromptStream:
+    """Endless shuffled epochs over a prompt list; its position is part of the checkpoint."""
+
+    def __init__(self, samples: list[Sample], seed: int):
+        self.samples, self.seed = samples, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self):
+        order = list(range(len(self.samples)))
+        random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[Sample]:
+        out = []
+        while len(out) < n:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffle()
+            out.append(self.samples[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._shuffle()

@@ -1,0 +1,40 @@
+"""``jetrl plot RUN_DIR``: PNG curves of reward, mismatch, loss and phase times."""
+from __future__ import annotations
+
+import os
+
+from megatron_jetrl.metrics.logger import read_metrics
+
+PANELS = [
+    ("reward", ["reward_mean", "sft_reward_mean"]),
+    ("train-rollout mismatch", ["mismatch_abs_mean", "mismatch_k3_kl"]),
+    ("loss / grad norm", ["pg_loss", "sft_loss", "grad_norm"]),
+    ("entropy / response length", ["entropy", "response_length_mean"]),
+    ("phase time (s)", ["time_rollout", "time_logprob", "time_train", "time_weight_sync"]),
+]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out = out or os.path.join(run_dir, "curves.png")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for ax, (title, keys) in zip(axes, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=key, lw=1.4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,63 @@
+"""The rollout-engine interface: the in-process engine and the SGLang fleet both implement it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """log p(token) under softmax(logits / temperature) of the sampler (before top-p/top-k)."""
+    finish_reason: str = "length"
+    weight_version: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def update_weights(self, version: int, hashes: dict[str, str] | None = None) -> dict: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` [B, V]; returns (ids [B], logprobs [B]). All on the
+    logits' device, no host sync. Greedy when temperature == 0."""
+    logits = logits.float()
+    if params.temperature == 0:
+        ids = logits.argmax(-1)
+        return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, -1)
+    filtered = scaled
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, -1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = filtered.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+    ids = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
+    return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)

@@ -1,0 +1,233 @@
+"""The trainer actor: megatron-core model + DDP + optimizer; logprobs, RL and SFT steps.
+
+After every optimizer step the FP8 weight cache is re-quantized once (``refresh_fp8_weights``):
+the bytes every micro-batch of the next step, the rollout and the weight export use.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.config import AlgoConfig, ParallelConfig
+from megatron_jetrl.precision.linear import FP8ModelState, refresh_fp8_weights
+from megatron_jetrl.trainer import loss as L
+from megatron_jetrl.trainer.pipeline import run_microbatches
+
+
+@dataclass
+class RLBatch:
+    """Right-padded sequences [N, S] (prompt + response + pad) and per-label-position tensors
+    [N, S-1] (position j predicts token j+1)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor           # 1 where label j+1 is a response token
+    rollout_logp: torch.Tensor   # sampler's logprobs at those positions (0 elsewhere)
+    advantages: torch.Tensor     # [N]
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+
+    def split(self, size: int) -> list["RLBatch"]:
+        n = self.tokens.shape[0]
+        out = []
+        for i in range(0, n, size):
+            sl = slice(i, i + size)
+            out.append(RLBatch(self.tokens[sl], self.mask[sl], self.rollout_logp[sl], self.advantages[sl],
+                               None if self.old_logp is None else self.old_logp[sl],
+                               None if self.ref_logp is None else self.ref_logp[sl]))
+        return out
+
+
+def build_batch(prompts: list[list[int]], responses: list[list[int]], response_logps: list[list[float]],
+                advantages: torch.Tensor, pad_id: int, device) -> RLBatch:
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    S = max(len(s) for s in seqs)
+    N = len(seqs)
+    tokens = torch.full((N, S), pad_id, dtype=torch.long)
+    mask = torch.zeros((N, S - 1))
+    rlp = torch.zeros((N, S - 1))
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logps)):
+        tokens[i, : len(p) + len(r)] = torch.tensor(p + r)
+        if r:
+            mask[i, len(p) - 1: len(p) - 1 + len(r)] = 1.0
+            rlp[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(lp)
+    return RLBatch(tokens.to(device), mask.to(device), rlp.to(device), advantages.float().to(device))
+
+
+def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                                with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log p(label) under softmax(logits / T) and the entropy, with the vocabulary split over TP
+    ranks (megatron-core's vocab-parallel cross entropy; entropy from all-reduced partial sums)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    z = logits.float() / temperature
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(z, labels)
+    if not with_entropy:
+        return logp, None
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        zmax = z.max(-1, keepdim=True).values
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(z - zmax)
+    sums = torch.stack([e.sum(-1), (e * z).sum(-1)])
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        sums = reduce_from_tensor_model_parallel_region(sums)
+    lse = torch.log(sums[0]) + zmax.squeeze(-1)
+    entropy = lse - sums[1] / sums[0]
+    return logp, entropy
+
+
+class Actor:
+    def __init__(self, model, fp8_state: FP8ModelState, algo: AlgoConfig, parallel: ParallelConfig,
+                 params_dtype: torch.dtype, total_steps: int, temperature: float = 1.0):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.algo, self.fp8_state, self.temperature = algo, fp8_state, temperature
+        self.dp = parallel_state.get_data_parallel_world_size()
+        use_dist_opt = parallel.distributed_optimizer and self.dp > 1
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=use_dist_opt)
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        model.config.finalize_model_grads_func = finalize_model_grads
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=algo.lr, min_lr=algo.lr, weight_decay=algo.weight_decay,
+                                  adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                                  clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,
+                                  params_dtype=params_dtype, use_distributed_optimizer=use_dist_opt)
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr, min_lr=algo.lr,
+            lr_warmup_steps=algo.lr_warmup_steps, lr_decay_steps=max(total_steps, algo.lr_warmup_steps + 1),
+            lr_decay_style="constant", start_wd=algo.weight_decay, end_wd=algo.weight_decay,
+            wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+        self.steps = 0
+        self.ref_model = None
+
+    @property
+    def module(self):
+        return self.model.module
+
+    # -- forward passes ---------------------------------------------------------------------------
+    def _mb(self, b: RLBatch) -> dict:
+        inputs = b.tokens[:, :-1]
+        return {"tokens": inputs, "position_ids": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs),
+                "batch": b}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RLBatch, model=None) -> Optional[torch.Tensor]:
+        """Per-position logprobs of the labels [N, S-1] in training precision (last PP stage;
+        None elsewhere)."""
+        from megatron.core import parallel_state
+
+        model = model or self.model
+        out = []
+
+        def loss_func(mb, logits):
+            b = mb["batch"]
+            logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], self.temperature, False)
+            out.append(logp)
+            return logp.sum() * 0, {}
+
+        was = model.training
+        model.eval()
+        run_microbatches(model, [self._mb(b) for b in batch.split(self.algo.micro_batch_size)], loss_func, True)
+        model.train(was)
+        return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
+
+    def _global_count(self, x: float) -> float:
+        from megatron.core import parallel_state
+
+        t = torch.tensor([x], dtype=torch.float64, device=next(self.module.parameters()).device)
+        if self.dp > 1:
+            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return float(t)
+
+    def _optimizer_step(self) -> dict:
+        t0 = time.perf_counter()
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.steps += 1
+        requant = refresh_fp8_weights(self.module, self.fp8_state)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "update_ok": float(bool(ok)),
+                "lr": self.optimizer.param_groups[0]["lr"], "time_fp8_requant": requant,
+                "time_optimizer": time.perf_counter() - t0 - requant}
+
+    def train_step(self, batch: RLBatch) -> dict:
+        """One optimizer step of the clipped policy-gradient objective over ``batch``."""
+        a = self.algo
+        mbs = batch.split(a.micro_batch_size)
+        n_mb = len(mbs)
+        # Normalizer over the whole global batch (all micro-batches, all DP ranks); megatron
+        # divides each micro-batch loss by n_mb and DDP averages over DP: undo both.
+        if a.loss_agg == "token_mean":
+            denom = self._global_count(float(batch.mask.sum()))
+        else:
+            denom = self._global_count(float(batch.tokens.shape[0]))
+        scale = n_mb * self.dp / max(denom, 1.0)
+        stats: list[dict] = []
+
+        def loss_func(mb, logits):
+            b = mb["batch"]
+            logp, ent = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], self.temperature,
+                                                    with_entropy=True)
+            is_w = None
+            if a.tis_cap is not None:
+                is_w = L.truncated_is_weights(b.old_logp, b.rollout_logp, a.tis_cap)
+            per_tok, st = L.policy_loss(logp, b.old_logp, b.advantages, b.mask, a.clip_eps_low,
+                                        a.clip_eps_high, is_w)
+            if a.kl_coef and b.ref_logp is not None:
+                kl = L.kl_estimate(logp, b.ref_logp, a.kl_estimator)
+                per_tok = per_tok + a.kl_coef * kl
+                st["kl_ref"] = L.masked_mean(kl.detach(), b.mask)
+            if a.entropy_coef:
+                per_tok = per_tok - a.entropy_coef * ent
+            if a.loss_agg == "token_mean":
+                loss = (per_tok * b.mask).sum() * scale
+            else:
+                loss = L.masked_mean(per_tok, b.mask, dim=1).sum() * scale
+            st["entropy"] = L.masked_mean(ent.detach(), b.mask)
+            st["pg_loss"] = L.masked_mean(per_tok.detach(), b.mask)
+            if is_w is not None:
+                st["tis_weight_mean"] = L.masked_mean(is_w, b.mask)
+            stats.append({k: float(v) for k, v in st.items()})
+            return loss, {}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        t0 = time.perf_counter()
+        run_microbatches(self.model, [self._mb(b) for b in mbs], loss_func, forward_only=False)
+        fwd_bwd = time.perf_counter() - t0
+        out = self._optimizer_step()
+        out["time_fwd_bwd"] = fwd_bwd
+        if stats:
+            for k in stats[0]:
+                out[k] = sum(s[k] for s in stats) / len(stats)
+        return out
+
+    def sft_step(self, batch: RLBatch) -> dict:
+        """Supervised warm-up: masked NLL of the response tokens (same FP8 flow as RL)."""
+        mbs = batch.split(self.algo.micro_batch_size)
+        scale = len(mbs) * self.dp / max(self._global_count(float(batch.mask.sum())), 1.0)
+        losses = []
+
+        def loss_func(mb, logits):
+            b = mb["batch"]
+            logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], 1.0, False)
+            losses.append(float(L.masked_mean(-logp.detach(), b.mask)))
+            return -(logp * b.mask).sum() * scale, {}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        run_microbatches(self.model, [self._mb(b) for b in mbs], loss_func, forward_only=False)
+        out = self._optimizer_step()
+        out["sft_loss"] = sum(losses) / max(len(losses), 1)
+        return out

@@ -1,0 +1,74 @@
+"""Checkpoints: megatron dist_checkpointing (torch_dist) of model + optimizer + LR schedule, plus
+the loop state (step, prompt stream, RNG), written to ``step_N.tmp`` and renamed when complete;
+``latest`` names the newest complete one. A crash leaves at most a ``.tmp`` that is ignored."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict) -> str:
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(ckpt_root, f"step_{step}")
+    tmp = final + ".tmp"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    model_sd = actor.module.sharded_state_dict()
+    sharded = {"model": model_sd,
+               "optimizer": actor.optimizer.sharded_state_dict(
+                   model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+    dist_checkpointing.save(sharded, tmp, content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    if rank0:
+        state = dict(loop_state, step=step, scheduler=actor.scheduler.state_dict(), actor_steps=actor.steps,
+                     torch_rng=torch.get_rng_state().tolist())
+        with open(os.path.join(tmp, "loop_state.json"), "w") as f:
+            json.dump(state, f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
+            f.write(f"step_{step}\n")
+        os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
+    _barrier()
+    return final
+
+
+def latest_checkpoint(ckpt_root: str) -> str | None:
+    marker = os.path.join(ckpt_root, "latest")
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        path = os.path.join(ckpt_root, f.read().strip())
+    return path if os.path.isfile(os.path.join(path, "loop_state.json")) else None
+
+
+def load_checkpoint(path: str, actor) -> dict:
+    from megatron.core import dist_checkpointing
+
+    model_sd = actor.module.sharded_state_dict()
+    state = dist_checkpointing.load({"model": model_sd}, path)
+    actor.module.load_state_dict(state["model"])
+    with torch.no_grad():
+        opt_sd = actor.optimizer.sharded_state_dict(
+            actor.module.sharded_state_dict(), is_loading=True,
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        actor.optimizer.load_state_dict(dist_checkpointing.load({"optimizer": opt_sd}, path)["optimizer"])
+    with open(os.path.join(path, "loop_state.json")) as f:
+        loop = json.load(f)
+    actor.scheduler.load_state_dict(loop["scheduler"])
+    actor.steps = loop["actor_steps"]
+    torch.set_rng_state(torch.tensor(loop["torch_rng"], dtype=torch.uint8))
+    return loop
