@@ -262,6 +262,8 @@ class AlgoConfig:
     """Sequences per forward/backward micro-batch."""
     sft_warmup_steps: int = 0
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
+    sft_lr: Optional[float] = None
+    """Learning rate of the warm-up steps (default: ``lr``)."""
 
     def __post_init__(self):
         _positive(self, "algo", "lr", "micro_batch_size")

@@ -84,10 +84,8 @@ def setup(cfg: JetConfig) -> Run:
 
         refresh_fp8_weights(actor.module, fp8_state)
         stream.load_state_dict(loop["stream"])
-        engine.generator.manual_seed(cfg.seed + loop["step"] + 1)
-        start = resume_step = loop["step"] + 1
+        start, resume_step = loop["step"] + 1, loop["step"]
         log.info("resumed from %s (next step %d)", path, start)
-        resume_step = loop["step"]
     if is_logging_rank():
         os.makedirs(ckpt_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
@@ -122,6 +120,7 @@ def hand_over_weights(run: Run, version: int) -> dict:
 
 def rl_step(run: Run, step: int) -> dict:
     m: dict = {}
+    run.engine.generator.manual_seed(run.cfg.seed + step)  # per-step seed: a resumed run samples the same
     samples = run.stream.next(run.cfg.rollout.prompts_per_step)
     with timed(m, "rollout"):
         prompts, gens = generate_rollouts(run, samples)

@@ -48,7 +48,10 @@ def to_number(text: str) -> Optional[Fraction]:
 def answers_equal(pred: Optional[str], ref: str) -> bool:
     if pred is None:
         return False
-    a, b = to_number(pred), to_number(extract_answer(ref) or ref)
+    a = to_number(pred)
+    b = to_number(ref)
+    if b is None and (ref_final := extract_answer(ref)) is not None:  # a worked reference solution
+        b = to_number(ref_final)
     if a is not None and b is not None:
         return a == b
     return pred.strip() == ref.strip()

@@ -151,8 +151,11 @@ class Actor:
             dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
         return float(t)
 
-    def _optimizer_step(self) -> dict:
+    def _optimizer_step(self, lr: Optional[float] = None) -> dict:
         t0 = time.perf_counter()
+        if lr is not None:  # a fixed rate for this step (SFT warm-up); the schedule sets it back
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps += 1
@@ -228,6 +231,6 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_microbatches(self.model, [self._mb(b) for b in mbs], loss_func, forward_only=False)
-        out = self._optimizer_step()
+        out = self._optimizer_step(self.algo.sft_lr)
         out["sft_loss"] = sum(losses) / max(len(losses), 1)
         return out
