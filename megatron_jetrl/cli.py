@@ -1,4 +1,4 @@
-"""``jetrl``: train | plot | bench. Each subcommand has --help."""
+"""``jetrl``: train | plot | bench | mismatch. Each subcommand has --help."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,13 @@ def cmd_bench(args) -> int:
     raise SystemExit(f"jetrl bench: unknown benchmark {args.what!r}")
 
 
+def cmd_mismatch(args) -> int:
+    from megatron_jetrl.bench.mismatch import main
+
+    main(args.rest)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jetrl", description="Unified-precision FP8 RL post-training (Jet-RL)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -82,6 +89,11 @@ def main(argv=None) -> int:
     b.add_argument("what", choices=["linear"], help="linear: FP8 block linear vs BF16")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
     b.set_defaults(fn=cmd_bench)
+
+    m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side",
+                       add_help=False)
+    m.add_argument("rest", nargs=argparse.REMAINDER, help="see jetrl mismatch --help")
+    m.set_defaults(fn=cmd_mismatch)
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

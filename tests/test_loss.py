@@ -62,3 +62,17 @@ def test_mismatch_metrics_hand_computed():
     assert m["is_weight_min"].item() == pytest.approx(1.0, rel=1e-6)
     # k3 of KL(rollout || train) on rollout samples: train/roll - 1 - log(train/roll)
     assert m["mismatch_k3_kl"].item() == pytest.approx((2 - 1 - math.log(2)) / 2, rel=1e-5)
+
+
+def test_vocab_parallel_logp_and_entropy_match_plain_torch(megatron_single):
+    from megatron_jetrl.trainer.actor import vocab_parallel_logp_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 50, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 5))
+    logp, ent = vocab_parallel_logp_entropy(logits, labels, 0.7, True)
+    ref = torch.log_softmax(logits.detach() / 0.7, -1)
+    assert torch.allclose(logp, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(ent, L.entropy_from_logits(logits.detach() / 0.7), atol=1e-5)
+    (logp.sum() + ent.sum()).backward()  # both differentiable
+    assert torch.isfinite(logits.grad).all()

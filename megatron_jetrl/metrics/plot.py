@@ -27,7 +27,12 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=key, lw=1.4)
+                xs, ys = zip(*pts)
+                line, = ax.plot(xs, ys, label=key, lw=0.8, alpha=0.45 if len(pts) > 40 else 1.0)
+                if len(pts) > 40:  # a 20-step moving average over the noisy per-step values
+                    w = 20
+                    smooth = [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+                    ax.plot(xs, smooth, color=line.get_color(), lw=1.8, label=f"{key} (avg {w})")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -64,7 +64,9 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     from megatron.core import parallel_state, tensor_parallel
 
     z = logits.float() / temperature
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(z, labels)
+    # megatron's vocab-parallel cross entropy works in place on its input: give it its own copy
+    # when z is needed afterwards.
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(z.clone() if with_entropy else z, labels)
     if not with_entropy:
         return logp, None
     group = parallel_state.get_tensor_model_parallel_group()
@@ -81,6 +83,33 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     lse = torch.log(sums[0]) + zmax.squeeze(-1)
     entropy = lse - sums[1] / sums[0]
     return logp, entropy
+
+
+def _microbatch(b: RLBatch) -> dict:
+    inputs = b.tokens[:, :-1]
+    return {"tokens": inputs, "position_ids": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs),
+            "batch": b}
+
+
+@torch.no_grad()
+def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int) -> Optional[torch.Tensor]:
+    """Logprobs of ``batch``'s labels [N, S-1] from a forward of ``model`` in its current (training)
+    precision, through the pipeline schedule; None on non-last pipeline stages."""
+    from megatron.core import parallel_state
+
+    out = []
+
+    def loss_func(mb, logits):
+        b = mb["batch"]
+        logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], temperature, False)
+        out.append(logp)
+        return logp.sum() * 0, {}
+
+    was = model.training
+    model.eval()
+    run_microbatches(model, [_microbatch(b) for b in batch.split(micro_batch_size)], loss_func, True)
+    model.train(was)
+    return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
 
 
 class Actor:
@@ -117,31 +146,10 @@ class Actor:
         return self.model.module
 
     # -- forward passes ---------------------------------------------------------------------------
-    def _mb(self, b: RLBatch) -> dict:
-        inputs = b.tokens[:, :-1]
-        return {"tokens": inputs, "position_ids": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs),
-                "batch": b}
-
-    @torch.no_grad()
     def compute_logprobs(self, batch: RLBatch, model=None) -> Optional[torch.Tensor]:
         """Per-position logprobs of the labels [N, S-1] in training precision (last PP stage;
         None elsewhere)."""
-        from megatron.core import parallel_state
-
-        model = model or self.model
-        out = []
-
-        def loss_func(mb, logits):
-            b = mb["batch"]
-            logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], self.temperature, False)
-            out.append(logp)
-            return logp.sum() * 0, {}
-
-        was = model.training
-        model.eval()
-        run_microbatches(model, [self._mb(b) for b in batch.split(self.algo.micro_batch_size)], loss_func, True)
-        model.train(was)
-        return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
+        return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size)
 
     def _global_count(self, x: float) -> float:
         from megatron.core import parallel_state
@@ -207,7 +215,7 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
-        run_microbatches(self.model, [self._mb(b) for b in mbs], loss_func, forward_only=False)
+        run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
         out["time_fwd_bwd"] = fwd_bwd
@@ -230,7 +238,7 @@ class Actor:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        run_microbatches(self.model, [self._mb(b) for b in mbs], loss_func, forward_only=False)
+        run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
         out = self._optimizer_step(self.algo.sft_lr)
         out["sft_loss"] = sum(losses) / max(len(losses), 1)
         return out

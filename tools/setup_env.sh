@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with everything the CPU run and the tests need.
+#   bash tools/setup_env.sh [VENV_DIR]     (default .venv)
+# torch is pinned to the 2.13.0 CPU build (an unpinned torch pulls a multi-GB CUDA build);
+# megatron-core 0.19.2 declares Python >= 3.12 but builds and runs on 3.11: numpy first, then
+# --no-deps --ignore-requires-python; it also needs triton and psutil (undeclared).
+set -euo pipefail
+VENV=${1:-.venv}
+cd "$(dirname "$0")/.."
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+. "$VENV/bin/activate"
+pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
+pip install -q "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil triton 2>&1 | grep -v -i warning || true
+python -c "import megatron.core" 2>/dev/null || \
+  pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" 2>&1 | grep -v -i warning || true
+pip install -q -e ".[test]" 2>&1 | grep -v -i warning || true
+python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"
