@@ -49,22 +49,6 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    if args.what == "linear":
-        from megatron_jetrl.bench.linear import main
-
-        main(args.rest)
-        return 0
-    raise SystemExit(f"jetrl bench: unknown benchmark {args.what!r}")
-
-
-def cmd_mismatch(args) -> int:
-    from megatron_jetrl.bench.mismatch import main
-
-    main(args.rest)
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jetrl", description="Unified-precision FP8 RL post-training (Jet-RL)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -88,13 +72,21 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmarks that print FP8/BF16 ratios measured in one run (GPU)")
     b.add_argument("what", choices=["linear"], help="linear: FP8 block linear vs BF16")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
-    b.set_defaults(fn=cmd_bench)
 
-    m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side",
-                       add_help=False)
+    m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side")
     m.add_argument("rest", nargs=argparse.REMAINDER, help="see jetrl mismatch --help")
-    m.set_defaults(fn=cmd_mismatch)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # bench/mismatch own their options: hand everything after the subcommand to them
+    if argv[:1] == ["mismatch"] or argv[:2] == ["bench", "linear"]:
+        logging.basicConfig(level=logging.WARNING)
+        if argv[0] == "mismatch":
+            from megatron_jetrl.bench.mismatch import main as run
+            run(argv[1:])
+        else:
+            from megatron_jetrl.bench.linear import main as run
+            run(argv[2:])
+        return 0
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron", "torch.distributed"):

@@ -1,0 +1,105 @@
+"""Config loading/validation and checkpoint-file errors: one line naming the field and the fix."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_jetrl.config import ConfigError, load_config, save_config
+from megatron_jetrl.models.hf_io import CheckpointError, HFCheckpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "examples", "configs", "tiny.yaml")
+
+
+def test_preset_loads_and_round_trips(tmp_path):
+    cfg = load_config(TINY, ["precision.mode=bf16", "rollout.temperature=0.7", "algo.tis_cap=null"])
+    assert cfg.precision.mode == "bf16" and cfg.rollout.temperature == 0.7 and cfg.model.head_dim == 64
+    save_config(cfg, str(tmp_path / "c.yaml"))
+    again = load_config(str(tmp_path / "c.yaml"))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["model.hiden_size=3"], r"model.hiden_size: unknown key; valid keys here: .*hidden_size"),
+    (["model.hidden_size=abc"], r"model.hidden_size: expected an integer, got 'abc'"),
+    (["precision.mode=fp4"], r"precision.mode: 'fp4' is not one of \['bf16', 'fp8_rollout', 'jet'\]"),
+    (["parallel.tensor_parallel=3"], r"parallel.tensor_parallel: 3 does not divide model.num_attention_heads=2"),
+    (["parallel.pipeline_parallel=3"], r"parallel.pipeline_parallel: 3 does not divide model.num_layers=2"),
+    (["parallel.expert_parallel=2"], r"parallel.expert_parallel: qwen3 has no experts"),
+    (["model.num_key_value_heads=3", "model.num_attention_heads=4"], r"model.num_key_value_heads: 3 does not divide"),
+    (["algo.tis_cap=2.0"], r"algo.tis_cap: truncated importance sampling is for fp8_rollout"),
+    (["rollout.top_p=1.5"], r"rollout.top_p: 1.5 not in \(0, 1\]"),
+    (["model.model_type=gpt2"], r"model.model_type: 'gpt2' is not one of"),
+    (["steps"], r"steps: override without '='"),
+    (["model=3"], r"model: expected a mapping"),
+])
+def test_bad_config_one_line_errors(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(TINY, overrides)
+    assert "\n" not in str(e.value) and str(e.value).startswith("config error: ")
+
+
+def test_hf_config_json(tmp_path):
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("qwen3_moe", str(tmp_path))
+    cfg = load_config(None, [f"model.hf_path={tmp_path}"])
+    assert (cfg.model.model_type, cfg.model.num_experts, cfg.model.moe_top_k, cfg.model.head_dim) == ("qwen3_moe", 4, 2, 64)
+    with pytest.raises(ConfigError, match=r"model.hf_path: no config.json in"):
+        load_config(None, [f"model.hf_path={tmp_path / 'nope'}"])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"unsupported model_type 'gpt2'"):
+        load_config(None, [f"model.hf_path={bad}"])
+
+
+def test_checkpoint_file_errors(tmp_path, megatron_single):
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    src = tmp_path / "m"
+    make_hf_model("llama", str(src))
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        HFCheckpoint(str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors in"):
+        HFCheckpoint(str(empty))
+    # an index naming a shard that is not there
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002.safetensors listed in the index is missing"):
+        HFCheckpoint(str(broken))
+    # config.json that disagrees with the weights: shape error naming the tensor
+    wrong = tmp_path / "wrong"
+    shutil.copytree(src, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["intermediate_size"] = 640
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"mlp.gate_proj.weight.*gives shape \(1024, 256\).*expects \(1280, 256\)"):
+        build_loaded(str(wrong), ["precision.mode=bf16"])
+    # a missing tensor
+    fewer = tmp_path / "fewer"
+    shutil.copytree(src, fewer)
+    cfg = json.loads((fewer / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (fewer / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.2.input_layernorm.weight' not found"):
+        build_loaded(str(fewer), ["precision.mode=bf16"])
+
+
+def test_cli_help_and_bad_override():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for sub in (["train"], ["plot"], ["bench", "linear"], ["mismatch"]):
+        out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", *sub, "--help"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "usage: jetrl" in out.stdout, sub
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
+                          "parallel.tensor_parallel=3"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("config error: parallel.tensor_parallel: 3 does not divide")
