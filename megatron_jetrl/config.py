@@ -353,9 +353,6 @@ class JetConfig:
         if m.is_moe:
             _check(m.moe_ffn_hidden_size % tp == 0, "parallel.tensor_parallel",
                    f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
-        _check(self.rollout.engine != "local" or p.pipeline_parallel == 1, "rollout.engine",
-               "the in-process engine runs the trainer's model and needs pipeline_parallel=1",
-               "set parallel.pipeline_parallel=1 or rollout.engine=sglang")
         _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",
                f"truncated importance sampling is for fp8_rollout, mode is {self.precision.mode}",
                "set algo.tis_cap=null or precision.mode=fp8_rollout")

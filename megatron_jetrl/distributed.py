@@ -27,13 +27,13 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     if not cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:  # a single process; nothing is written to os.environ (child processes stay clean)
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     mp = parallel.tensor_parallel * parallel.pipeline_parallel
     if world % mp:
