@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     b = sub.add_parser("bench", help="benchmarks that print FP8/BF16 ratios measured in one run (GPU)")
-    b.add_argument("what", choices=["linear"], help="linear: FP8 block linear vs BF16")
+    b.add_argument("what", choices=["linear", "sync"],
+                   help="linear: FP8 block linear vs BF16; sync: weight gather+export, BF16 vs FP8")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
 
     m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side")
@@ -78,14 +79,12 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     # bench/mismatch own their options: hand everything after the subcommand to them
-    if argv[:1] == ["mismatch"] or argv[:2] == ["bench", "linear"]:
+    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"]):
+        import importlib
+
         logging.basicConfig(level=logging.WARNING)
-        if argv[0] == "mismatch":
-            from megatron_jetrl.bench.mismatch import main as run
-            run(argv[1:])
-        else:
-            from megatron_jetrl.bench.linear import main as run
-            run(argv[2:])
+        name = "mismatch" if argv[0] == "mismatch" else argv[1]
+        importlib.import_module(f"megatron_jetrl.bench.{name}").main(argv[1 if argv[0] == "mismatch" else 2:])
         return 0
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

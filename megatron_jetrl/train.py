@@ -18,7 +18,9 @@ from megatron_jetrl.models.builder import DTYPES, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rewards import get_reward
 from megatron_jetrl.rollout.base import SamplingParams
-from megatron_jetrl.rollout.local import LocalEngine, tensor_hash
+from megatron_jetrl.rollout.local import LocalEngine
+from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+from megatron_jetrl.sync.transport import InProcessTransport
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.actor import Actor, RLBatch, build_batch
 from megatron_jetrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -71,7 +73,8 @@ def setup(cfg: JetConfig) -> Run:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps + cfg.algo.sft_warmup_steps
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
-    engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size)
+    engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
+                         model_cfg=cfg.model)
     samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
                else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))
     stream = PromptStream(samples, cfg.seed)
@@ -113,9 +116,10 @@ def score(run: Run, samples: list[Sample], gens) -> torch.Tensor:
 
 
 def hand_over_weights(run: Run, version: int) -> dict:
-    """Sender: hashes of the FP8 bytes + scales the trainer's forward uses; receiver checks them."""
-    sender = run.engine.fp8_hashes()  # same model object in process; SGLang receives these bytes
-    return run.engine.update_weights(version, sender)
+    """Export the weights as the rollout receives them (FP8 bytes + scales of the trainer's cache
+    when the rollout is FP8) and hand them over; the receiver checks the hashes."""
+    opts = ExportOptions(fp8=run.actor.fp8_state.recipe.rollout_fp8)
+    return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
 
 
 def rl_step(run: Run, step: int) -> dict:

@@ -63,3 +63,41 @@ def layouts_worker(rank, world, layouts, tokens):
         dist.barrier()
     destroy_distributed()
     return results
+
+
+def export_worker(rank, world, layouts):
+    """For each ``name: (hf_dir, overrides)``: the gathered HF state dict (global rank 0), in the
+    parameter dtype and in FP8 (jet)."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.distributed import destroy_distributed
+    from megatron_jetrl.sync.export import ExportOptions, collect_hf_state_dict
+
+    results = {}
+    for name, (hf_dir, overrides) in layouts.items():
+        cfg, model, _ = build_loaded(hf_dir, ["precision.mode=jet", *overrides])
+        plain = collect_hf_state_dict(model, cfg.model, ExportOptions(fp8=False, dtype=None))
+        fp8 = collect_hf_state_dict(model, cfg.model, ExportOptions(fp8=True))
+        results[name] = (plain, fp8)
+        dist.barrier()
+    destroy_distributed()
+    return results if rank == 0 else None
+
+
+def broadcast_worker(rank, world, hf_dir):
+    """Both ranks build the model (DP=2, which creates the groups collectively); rank 0 exports in
+    FP8 and broadcasts over a dedicated group; rank 1 plays the rollout side and receives."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+    from megatron_jetrl.sync.transport import BroadcastTransport
+
+    cfg, model, _ = build_loaded(hf_dir, ["precision.mode=jet"])
+    group = dist.new_group([0, 1])
+    transport = BroadcastTransport(group, src=0, device=torch.device("cpu"), bucket_bytes=300_000)
+    if rank == 0:
+        sent = {k: v.clone() for k, v in iter_hf_tensors(model, cfg.model, ExportOptions(fp8=True))}
+        stats = transport.push(7, iter(sent.items()))
+        return {"sent": sent, "stats": stats}
+    version, tensors, parity = transport.receive()
+    return {"version": version, "tensors": tensors, "parity": parity}

@@ -218,7 +218,7 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
                                  f"that keeps shards {g}-aligned")
         module.fp8_state = state
         module.fp8_backend = resolved
-        module.fp8_cache = FP8WeightCache(sub, perm)
+        module.fp8_cache = FP8WeightCache(sub, None if perm is None else perm.to(module.weight.device))
         n += 1
     state.num_fp8_layers = n
     state.backend = resolved

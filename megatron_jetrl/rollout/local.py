@@ -8,27 +8,26 @@ are masked; RoPE is relative, so left padding does not change the result beyond 
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from megatron_jetrl.rollout.base import Generation, SamplingParams, sample_next
+from megatron_jetrl.sync.transport import tensor_hash
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (the parity check of the weight hand-over)."""
-    data = t.detach().contiguous().cpu()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+def is_fp8_payload(name: str, t: torch.Tensor) -> bool:
+    """The tensors the parity check covers: FP8 weights and their scales."""
+    return t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")
 
 
 class LocalEngine:
-    def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None):
+    def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
+                 model_cfg=None):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError("rollout.engine=local needs parallel.pipeline_parallel=1; "
                              "use rollout.engine=sglang for pipelined trainers")
-        self.model, self.fp8_state, self.pad_id = model, fp8_state, pad_id
+        self.model, self.fp8_state, self.pad_id, self.model_cfg = model, fp8_state, pad_id, model_cfg
         self.vocab_size = vocab_size
         self.weight_version = 0
         self.device = next(model.parameters()).device
@@ -96,16 +95,14 @@ class LocalEngine:
         return gens
 
     def fp8_hashes(self) -> dict[str, str]:
-        """Hash of every FP8 weight and scale this engine will run with (receiving side)."""
-        from megatron_jetrl.precision.linear import FP8LinearMixin
+        """Receiving side: hashes (by HF name) of the FP8 weights and scales this engine runs with,
+        read through the same export path an SGLang server is fed from."""
+        from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
 
-        out = {}
-        for name, m in self.model.named_modules():
-            if isinstance(m, FP8LinearMixin) and m.fp8_cache is not None and self.fp8_state.recipe.rollout_fp8:
-                q, s = m.fp8_weight()
-                out[name + ".weight"] = tensor_hash(q)
-                out[name + ".weight_scale_inv"] = tensor_hash(s)
-        return out
+        if self.model_cfg is None or not self.fp8_state.recipe.rollout_fp8:
+            return {}
+        return {n: tensor_hash(t) for n, t in iter_hf_tensors(self.model, self.model_cfg, ExportOptions(fp8=True))
+                if is_fp8_payload(n, t)}
 
     def update_weights(self, version: int, hashes: dict[str, str] | None = None) -> dict:
         """In process the engine already shares the trainer's parameters and FP8 cache: the

@@ -1,0 +1,145 @@
+"""Weight sync: gather over TP/PP/EP, HF names, FP8 export without re-quantization, buckets,
+transports (disk, broadcast over gloo, in-process)."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_jetrl.models.hf_io import HFCheckpoint
+from megatron_jetrl.precision.quant import quantize_weight
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.sync.export import ExportOptions, collect_hf_state_dict, iter_hf_tensors
+from megatron_jetrl.sync.transport import DiskTransport, bucketize, nbytes, tensor_hash, verify_disk
+from tests.dist import run_workers
+from tests.hf_models import make_hf_model
+from tests.workers import broadcast_worker, build_loaded, export_worker
+
+FP8_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                "up_proj.weight", "down_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    out = {}
+    for mt in ("qwen2", "qwen3", "qwen3_moe"):
+        path = str(tmp_path_factory.mktemp(mt))
+        make_hf_model(mt, path, seed=3)
+        out[mt] = path
+    return out
+
+
+def _expected(hf_dir, fp8: bool):
+    """What the rollout must receive, straight from the HF files: the tensors (fp32 or BF16) and,
+    for FP8, the recipe's quantization of each linear weight."""
+    ckpt = HFCheckpoint(hf_dir)
+    out = {}
+    for name in ckpt.keys():
+        t = ckpt.get(name)
+        if fp8 and name.endswith(FP8_SUFFIXES) and ".mlp.gate." not in name:
+            q, s = quantize_weight(t, FP8Recipe())
+            out[name], out[name[: -len(".weight")] + ".weight_scale_inv"] = q, s
+        else:
+            out[name] = t.to(torch.bfloat16) if fp8 else t
+    return out
+
+
+def _assert_bytes_equal(got: dict, want: dict, label: str):
+    assert sorted(got) == sorted(want), (label, set(got) ^ set(want))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, (label, k)
+        assert torch.equal(got[k].view(torch.uint8), want[k].contiguous().view(torch.uint8)), (label, k)
+
+
+def test_world_size_1_export_round_trips_and_matches_hf(hf_dirs, megatron_single):
+    for mt, path in hf_dirs.items():
+        cfg, model, _ = build_loaded(path, ["precision.mode=jet"])
+        # tables round-trip: HF -> Megatron -> HF equal, bit for bit (fp32)
+        _assert_bytes_equal(collect_hf_state_dict(model, cfg.model, ExportOptions(fp8=False, dtype=None)),
+                            _expected(path, False), mt)
+        _assert_bytes_equal(collect_hf_state_dict(model, cfg.model, ExportOptions(fp8=True)), _expected(path, True), mt)
+
+
+def test_jet_export_sends_the_forward_bytes_without_requantizing(hf_dirs, megatron_single):
+    cfg, model, state = build_loaded(hf_dirs["qwen3"], ["precision.mode=jet"])
+    tokens = torch.randint(0, 384, (2, 8))
+    with torch.no_grad():
+        model(tokens, torch.arange(8).expand(2, 8), None)  # the forward fills the cache
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    refreshes = qkv.fp8_cache.refreshes
+    exported = dict(iter_hf_tensors(model, cfg.model, ExportOptions(fp8=True)))
+    assert qkv.fp8_cache.refreshes == refreshes  # no re-quantization on export
+    for (q, s), proj in zip(qkv.fp8_cache.parts(), "qkv"):
+        name = f"model.layers.0.self_attn.{proj}_proj"
+        assert torch.equal(exported[name + ".weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(exported[name + ".weight_scale_inv"], s)
+    bf16 = sum(nbytes(t) for _, t in iter_hf_tensors(model, cfg.model, ExportOptions(fp8=False)))
+    fp8 = sum(nbytes(t) for t in exported.values())
+    # FP8 linears: 1 byte per weight plus one 4-byte scale per 128x128 block, vs 2 bytes in BF16;
+    # embeddings, lm_head and norms stay BF16 in both
+    assert fp8 < 0.75 * bf16
+
+
+@pytest.mark.slow
+def test_parallel_layouts_export_identical_to_world_size_1(hf_dirs):
+    tp2, pp2, ep2 = "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "parallel.expert_parallel=2"
+    layouts = {
+        "qwen2-tp2": (hf_dirs["qwen2"], [tp2]), "qwen3-pp2": (hf_dirs["qwen3"], [pp2]),
+        "qwen3-tp2pp2": (hf_dirs["qwen3"], [tp2, pp2]), "qwen3_moe-ep2": (hf_dirs["qwen3_moe"], [ep2]),
+        "qwen3_moe-tp2ep2": (hf_dirs["qwen3_moe"], [tp2, ep2]),
+    }
+    results = run_workers(export_worker, 4, layouts)[0]
+    for name, (plain, fp8) in results.items():
+        path = layouts[name][0]
+        _assert_bytes_equal(plain, _expected(path, False), name)
+        _assert_bytes_equal(fp8, _expected(path, True), name)
+
+
+def test_buckets_never_exceed_their_size():
+    g = torch.Generator().manual_seed(0)
+    items = [(f"t{i}", torch.zeros(int(n))) for i, n in enumerate(torch.randint(1, 5000, (200,), generator=g))]
+    buckets = list(bucketize(iter(items), 40_000))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in items]  # order kept, nothing lost
+    assert all(sum(nbytes(t) for _, t in b) <= 40_000 for b in buckets)
+    big = list(bucketize(iter([("a", torch.zeros(5)), ("big", torch.zeros(20_000)), ("b", torch.zeros(5))]), 40_000))
+    assert [[n for n, _ in b] for b in big] == [["a"], ["big"], ["b"]]  # an oversize tensor goes alone
+
+
+def test_disk_transport_writes_hf_fp8_checkpoint_and_verifies(hf_dirs, tmp_path, megatron_single):
+    cfg, model, _ = build_loaded(hf_dirs["qwen3"], ["precision.mode=jet"])
+    out = str(tmp_path / "push")
+    recipe = FP8Recipe()
+    stats = DiskTransport(out, cfg.model.to_hf_config(), shard_bytes=400_000,
+                          quantization_config=recipe.hf_quantization_config(), bucket_bytes=300_000).push(
+        5, iter_hf_tensors(model, cfg.model, ExportOptions(fp8=True)))
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0].endswith(f"-of-{len(files):05d}.safetensors")
+    assert all(os.path.getsize(os.path.join(out, f)) <= 400_000 + 50_000 for f in files)  # + safetensors header
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert conf["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128],
+                                           "modules_to_not_convert": ["lm_head", "embed_tokens", "norm", "mlp.gate"]}
+    assert verify_disk(out) == {"parity_checked": stats["sync_tensors"], "parity_mismatch": 0, "weight_version": 5}
+    ckpt = HFCheckpoint(out)
+    w = ckpt.raw("model.layers.0.self_attn.q_proj.weight")
+    s = ckpt.raw("model.layers.0.self_attn.q_proj.weight_scale_inv")
+    assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (w.shape[0] // 128, w.shape[1] // 128)
+    assert not os.path.exists(out + ".tmp")
+    # a flipped byte is caught by the receiving side
+    from safetensors.torch import load_file, save_file
+
+    fname = os.path.join(out, index["weight_map"]["model.layers.0.self_attn.q_proj.weight"])
+    sd = load_file(fname)
+    sd["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8)[0, 0] ^= 1
+    save_file(sd, fname, metadata={"format": "pt"})
+    assert verify_disk(out)["parity_mismatch"] == 1
+
+
+@pytest.mark.slow
+def test_broadcast_transport_over_gloo(hf_dirs):
+    sender, receiver = run_workers(broadcast_worker, 2, hf_dirs["qwen3"])
+    assert receiver["version"] == 7 and receiver["parity"]["parity_mismatch"] == 0
+    assert receiver["parity"]["parity_checked"] == len(sender["sent"])
+    _assert_bytes_equal(receiver["tensors"], sender["sent"], "broadcast")
+    assert sender["stats"]["sync_bytes"] == sum(nbytes(t) for t in sender["sent"].values())
