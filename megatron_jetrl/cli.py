@@ -1,4 +1,4 @@
-"""``jetrl``: train | plot | bench | mismatch. Each subcommand has --help."""
+"""``jetrl``: train | convert | plot | bench | mismatch. Each subcommand has --help."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +49,26 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    import torch
+
+    from checkpoint_converters.convert import hf_to_megatron, megatron_to_hf
+    from megatron_jetrl.config import ConfigError
+    from megatron_jetrl.models.hf_io import CheckpointError
+
+    try:
+        if args.direction == "hf-to-megatron":
+            out = hf_to_megatron(args.src, args.out, args.overrides,
+                                 {"bf16": torch.bfloat16, "fp32": torch.float32}[args.params_dtype])
+        else:
+            out = megatron_to_hf(args.src, args.out, args.dtype, args.tokenizer)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jetrl", description="Unified-precision FP8 RL post-training (Jet-RL)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -63,6 +83,18 @@ def main(argv=None) -> int:
     t.add_argument("--plot", action="store_true", help="write curves.png into the run directory at the end")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=cmd_train)
+
+    c = sub.add_parser("convert", help="HF <-> Megatron (torch_dist) checkpoints, BF16 or block FP8",
+                       description="hf-to-megatron SRC(HF dir) OUT [parallel.*=N ...] (run under torchrun for a "
+                                   "multi-rank layout) | megatron-to-hf SRC(checkpoint dir) OUT [--dtype bf16|fp8]")
+    c.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    c.add_argument("src", help="HF directory or megatron checkpoint directory")
+    c.add_argument("out", help="output directory (written as OUT.tmp, renamed when complete)")
+    c.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="megatron-to-hf: output format")
+    c.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16", help="hf-to-megatron: stored dtype")
+    c.add_argument("--tokenizer", help="megatron-to-hf: copy tokenizer files from this directory")
+    c.add_argument("overrides", nargs="*", help="hf-to-megatron layout: parallel.tensor_parallel=2 ...")
+    c.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -431,6 +431,17 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     return _build(JetConfig, data)
 
 
+def parallel_from_overrides(overrides) -> ParallelConfig:
+    """Only ``parallel.*=value`` overrides -> ParallelConfig (the converters' layout argument)."""
+    data: dict = {}
+    for item in overrides:
+        _check("=" in item and item.startswith("parallel."), item, "not a parallel.* override",
+               "write parallel.tensor_parallel=2 (or pipeline_parallel / expert_parallel)")
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), yaml.safe_load(raw))
+    return _build(ParallelConfig, data.get("parallel", {}), "parallel")
+
+
 def config_to_dict(cfg: JetConfig) -> dict:
     return dataclasses.asdict(cfg)
 

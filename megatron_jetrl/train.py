@@ -175,7 +175,7 @@ def train(cfg: JetConfig) -> str:
                          if k in metrics})
         last = step == total - 1
         if last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0):
-            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.stream.state_dict()})
+            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.stream.state_dict()}, cfg.model)
     if run.logger:
         run.logger.close()
     return cfg.logging.run_dir

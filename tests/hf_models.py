@@ -33,8 +33,9 @@ def hf_config(model_type: str, **over):
     return cfg
 
 
-def make_hf_model(model_type: str, path: str, seed: int = 0, **over):
-    """Random tiny model of ``model_type`` saved to ``path``; returns the transformers model (fp32)."""
+def make_hf_model(model_type: str, path: str, seed: int = 0, dtype=torch.float32, **over):
+    """Random tiny model of ``model_type`` saved to ``path`` in ``dtype``; returns the
+    transformers model (in ``dtype``)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -46,6 +47,7 @@ def make_hf_model(model_type: str, path: str, seed: int = 0, **over):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+    model = model.to(dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -101,3 +101,17 @@ def broadcast_worker(rank, world, hf_dir):
         return {"sent": sent, "stats": stats}
     version, tensors, parity = transport.receive()
     return {"version": version, "tensors": tensors, "parity": parity}
+
+
+def convert_worker(rank, world, jobs):
+    """hf_to_megatron for each (hf_dir, out_dir, layout overrides), all ranks together."""
+    import torch.distributed as dist
+
+    from checkpoint_converters.convert import hf_to_megatron
+    from megatron_jetrl.distributed import destroy_distributed
+
+    for hf_dir, out_dir, overrides in jobs:
+        hf_to_megatron(hf_dir, out_dir, overrides)
+        dist.barrier()
+    destroy_distributed()
+    return True

@@ -103,7 +103,7 @@ def named_global_params(model, model_cfg) -> Iterator[tuple[str, str, torch.nn.P
 
 
 @torch.no_grad()
-def load_hf_weights(model, model_cfg, hf_dir: str, fp8_state=None) -> int:
+def load_hf_weights(model, model_cfg, hf_dir: str, fp8_state=None, progress: bool = False) -> int:
     """Load an HF checkpoint into this rank's shard of ``model``; returns tensors loaded."""
     from megatron.core import parallel_state
 
@@ -112,7 +112,12 @@ def load_hf_weights(model, model_cfg, hf_dir: str, fp8_state=None) -> int:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     n = 0
-    for local, name, param in named_global_params(model, model_cfg):
+    params = named_global_params(model, model_cfg)
+    if progress:
+        from tqdm import tqdm
+
+        params = tqdm(list(params), desc="load HF weights", unit="tensor")
+    for local, name, param in params:
         rule, idx = hf_mapping.match(rules, name)
         names = hf_mapping.hf_names(rule, idx)
         if rule is hf_mapping.OUTPUT and model_cfg.tie_word_embeddings and names[0] not in ckpt:

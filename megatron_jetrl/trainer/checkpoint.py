@@ -11,12 +11,37 @@ import torch
 import torch.distributed as dist
 
 
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def write_model_config(directory: str, model_cfg) -> None:
+    """The model description next to its weights (what the converters rebuild the model from)."""
+    import dataclasses
+
+    fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
+    fields["hf_path"] = None  # the checkpoint now holds the weights
+    with open(os.path.join(directory, MODEL_CONFIG_FILE), "w") as f:
+        json.dump(fields, f, indent=1)
+
+
+def read_model_config(ckpt_dir: str):
+    """The ModelConfig a checkpoint was written with (its model_config.json)."""
+    from megatron_jetrl.config import ConfigError, ModelConfig
+
+    path = os.path.join(ckpt_dir, MODEL_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config error: checkpoint {ckpt_dir!r} has no {MODEL_CONFIG_FILE}; "
+                          "give a checkpoint written by jetrl (convert or train)")
+    with open(path) as f:
+        return ModelConfig(**json.load(f))
+
+
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
 
 
-def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict) -> str:
+def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cfg=None) -> str:
     from megatron.core import dist_checkpointing
 
     final = os.path.join(ckpt_root, f"step_{step}")
@@ -36,6 +61,8 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict) -> str:
                      torch_rng=torch.get_rng_state().tolist())
         with open(os.path.join(tmp, "loop_state.json"), "w") as f:
             json.dump(state, f)
+        if model_cfg is not None:
+            write_model_config(tmp, model_cfg)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

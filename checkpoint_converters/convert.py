@@ -1,0 +1,130 @@
+"""HF <-> Megatron (torch_dist) checkpoint conversion, BF16 and block FP8.
+
+- ``hf_to_megatron``: an HF directory (BF16/FP32, or block FP8 with ``quantization_config``,
+  dequantized on read) -> a megatron-core distributed checkpoint. Run it with the layout you want
+  (``torchrun --nproc-per-node N -m megatron_jetrl.cli convert hf-to-megatron ...
+  parallel.tensor_parallel=2``): each rank reads only the HF tensors of its own shard. torch_dist
+  checkpoints reshard on load, so any layout can read the result.
+- ``megatron_to_hf``: a checkpoint written by ``hf_to_megatron`` or by ``jetrl train`` (any layout)
+  -> an HF directory: config.json, safetensors shards (<= 5 GB) + index, generation_config.json,
+  tokenizer files when given; ``dtype="fp8"`` writes the block-FP8 format with its
+  ``quantization_config``: the bytes the rollout engine receives for those weights (the FP8 cache
+  is a function of the parameters: same parameters, same recipe, same bytes).
+
+Both stream tensor by tensor, show a progress bar, and write into ``OUT.tmp`` renamed to ``OUT``
+at the end; on failure nothing is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.trainer.checkpoint import read_model_config, write_model_config
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
+    from megatron_jetrl.config import JetConfig, parallel_from_overrides
+    from megatron_jetrl.distributed import init_distributed
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    parallel = parallel_from_overrides(overrides)
+    JetConfig(model=model_cfg, parallel=parallel)  # validates the layout against the model
+    init_distributed(parallel)
+    return build_model(model_cfg, parallel, FP8Recipe(mode="jet"), dtype, backend="auto")
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = (),
+                   dtype: torch.dtype = torch.bfloat16) -> str:
+    from megatron.core import dist_checkpointing
+
+    from megatron_jetrl.config import ModelConfig
+    from megatron_jetrl.models.hf_io import load_hf_weights
+
+    model_cfg = ModelConfig(hf_path=hf_dir)
+    model, state = _build(model_cfg, list(parallel_overrides), dtype)
+    tmp = out_dir.rstrip("/") + ".tmp"
+    try:
+        load_hf_weights(model, model_cfg, hf_dir, state, progress=_rank0())
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, tmp)
+        if _rank0():
+            write_model_config(tmp, model_cfg)
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        _barrier()
+    except BaseException:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_dir: Optional[str] = None,
+                   shard_bytes: int = 5 << 30, model_cfg=None) -> str:
+    from megatron.core import dist_checkpointing
+    from tqdm import tqdm
+
+    from megatron_jetrl.models.hf_io import CheckpointError
+    from megatron_jetrl.precision.linear import refresh_fp8_weights
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+    from megatron_jetrl.sync.transport import DiskTransport
+
+    if dtype not in ("bf16", "fp8"):
+        raise ValueError(f"--dtype {dtype!r}: use bf16 or fp8")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint error: {ckpt_dir!r} is not a directory; give a megatron checkpoint "
+                              "directory (e.g. runs/NAME/checkpoints/step_N)")
+    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
+        raise CheckpointError(f"checkpoint error: {ckpt_dir!r} has no metadata.json: not a torch_dist checkpoint "
+                              "(or an unfinished one); pick a complete checkpoint directory")
+    model_cfg = model_cfg or read_model_config(ckpt_dir)
+    model, state = _build(model_cfg, [], torch.bfloat16)
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
+    except Exception as e:  # megatron raises several types for missing/mismatched keys and shapes
+        raise CheckpointError(f"checkpoint error: {ckpt_dir!r} does not match the model description "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check model_config.json") from None
+    model.load_state_dict(loaded["model"])
+    refresh_fp8_weights(model, state)
+    recipe = FP8Recipe()
+    opts = ExportOptions(fp8=dtype == "fp8")
+    items = iter_hf_tensors(model, model_cfg, opts)
+    if _rank0():
+        items = tqdm(items, desc=f"megatron-to-hf ({dtype})", unit="tensor")
+    hf_cfg = model_cfg.to_hf_config()
+    writer = DiskTransport(out_dir, hf_cfg, shard_bytes=shard_bytes,
+                           quantization_config=recipe.hf_quantization_config() if dtype == "fp8" else None)
+    try:
+        writer.push(0, items)
+    except BaseException:
+        shutil.rmtree(out_dir.rstrip("/") + ".tmp", ignore_errors=True)
+        raise
+    os.remove(os.path.join(out_dir, "weight_hashes.json"))
+    gen = {"bos_token_id": None, "eos_token_id": None, "do_sample": True, "transformers_version": None}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=1)
+    if tokenizer_dir:
+        for fname in os.listdir(tokenizer_dir):
+            if fname.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) or fname.endswith(".model"):
+                shutil.copy(os.path.join(tokenizer_dir, fname), out_dir)
+    return out_dir
