@@ -102,8 +102,9 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     b = sub.add_parser("bench", help="benchmarks that print FP8/BF16 ratios measured in one run (GPU)")
-    b.add_argument("what", choices=["linear", "sync"],
-                   help="linear: FP8 block linear vs BF16; sync: weight gather+export, BF16 vs FP8")
+    b.add_argument("what", choices=["linear", "sync", "train"],
+                   help="linear: FP8 block linear vs BF16; sync: weight gather+export, BF16 vs FP8; "
+                        "train: one RL training phase, bf16 vs jet")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
 
     m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side")
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     # bench/mismatch own their options: hand everything after the subcommand to them
-    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"]):
+    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"], ["bench", "train"]):
         import importlib
 
         logging.basicConfig(level=logging.WARNING)

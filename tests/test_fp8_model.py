@@ -74,6 +74,13 @@ def test_cache_bytes_are_the_rollout_layout_and_refresh_per_step(qwen3_dir, mega
     assert attn.fp8_cache.refreshes == 2
 
 
+def test_bf16_mode_never_quantizes(qwen3_dir, megatron_single):
+    _, model, state = build_loaded(qwen3_dir, ["precision.mode=bf16"])
+    assert refresh_fp8_weights(model, state) == 0.0
+    _fwd(model, torch.randint(0, 384, (2, 16)))
+    assert all(m.fp8_cache.refreshes == 0 for m in model.modules() if getattr(m, "fp8_cache", None) is not None)
+
+
 def test_unaligned_fp8_layout_is_refused(megatron_single):
     from megatron_jetrl.config import load_config
     from megatron_jetrl.distributed import init_distributed

@@ -241,8 +241,10 @@ def fp8_report(model: torch.nn.Module) -> dict[str, bool]:
 @torch.no_grad()
 def refresh_fp8_weights(model: torch.nn.Module, state: FP8ModelState) -> float:
     """Bump the version and re-quantize every FP8 weight now (once per optimizer step);
-    returns seconds spent."""
+    returns seconds spent. In ``bf16`` mode nothing runs FP8, so nothing is quantized."""
     state.bump()
+    if not state.recipe.rollout_fp8:
+        return 0.0
     t0 = time.perf_counter()
     for module in model.modules():
         if isinstance(module, FP8LinearMixin) and module.fp8_cache is not None:

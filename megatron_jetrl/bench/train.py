@@ -1,0 +1,107 @@
+"""``jetrl bench train``: one RL training phase, ``bf16`` vs ``jet``, in one run on one GPU.
+
+A training phase = logprob recompute (forward) + forward/backward of the clipped policy loss over
+the micro-batches + optimizer step + FP8 re-quantization of the weight cache, over a fixed batch of
+synthetic rollouts (random tokens; the second half of each sequence is the "response"). The model
+is a slice of a preset (``--layers`` transformer layers of its shapes) with full fp32 master
+weights and Adam state. Prints per-phase times, the jet/bf16 ratio and peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+
+def _phase(cfg, seq: int, n_seqs: int, steps: int) -> dict:
+    from megatron_jetrl.distributed import init_distributed
+    from megatron_jetrl.models.builder import DTYPES, build_model
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.trainer.actor import Actor, RLBatch
+
+    init_distributed(cfg.parallel, cfg.seed)
+    dtype = DTYPES[cfg.precision.params_dtype]
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), dtype,
+                               cfg.precision.backend)
+    actor = Actor(model, state, cfg.algo, cfg.parallel, dtype, total_steps=steps + 1)
+    dev = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (n_seqs, seq + 1), generator=g).to(dev)
+    mask = torch.zeros(n_seqs, seq, device=dev)
+    mask[:, seq // 2:] = 1.0
+    batch = RLBatch(tokens, mask, torch.full((n_seqs, seq), -2.0, device=dev) * mask,
+                    torch.randn(n_seqs, generator=g).to(dev))
+    torch.cuda.reset_peak_memory_stats()
+    times = {"logprob": [], "train": [], "requant": []}
+    for i in range(steps + 1):  # the first step warms up (allocator, Triton/cuBLAS autotuning)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.old_logp = actor.compute_logprobs(batch)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        m = actor.train_step(batch)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i:
+            times["logprob"].append(t1 - t0)
+            times["train"].append(t2 - t1)
+            times["requant"].append(m["time_fp8_requant"])
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["phase"] = out["logprob"] + out["train"]
+    out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    out["tokens_per_s"] = n_seqs * seq / out["phase"]
+    del actor, model, state, batch
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import load_config
+
+    ap = argparse.ArgumentParser(prog="jetrl bench train", description=__doc__)
+    ap.add_argument("--preset", default="llama3.1-8b-random")
+    ap.add_argument("--layers", type=int, default=8, help="transformer layers of the preset's shapes")
+    ap.add_argument("--seqs", default="4096,8192", help="sequence lengths")
+    ap.add_argument("--tokens-per-step", type=int, default=65536, help="tokens in the fixed batch")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("jetrl bench train needs a CUDA GPU")
+    rows = []
+    for seq in (int(s) for s in args.seqs.split(",")):
+        res = {}
+        for mode in ("bf16", "jet"):
+            cfg = load_config(_preset_path(args.preset), [
+                *args.overrides, f"precision.mode={mode}", f"model.num_layers={args.layers}",
+                f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
+            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps)
+        rows.append({"seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
+                     "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
+                     "train_speedup": res["bf16"]["train"] / res["jet"]["train"],
+                     "logprob_speedup": res["bf16"]["logprob"] / res["jet"]["logprob"]})
+    print(f"# {args.preset} x {args.layers} layers, {args.tokens_per_step} tokens per step, micro-batch {args.micro_batch}, "
+          f"{torch.cuda.get_device_name()}")
+    print("| seq | bf16 phase s | jet phase s | phase speedup | logprob speedup | fwd/bwd+opt speedup | "
+          "jet re-quant s | peak GiB bf16 / jet |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seq']} | {r['bf16_phase']:.3f} | {r['jet_phase']:.3f} | {r['phase_speedup']:.2f}x | "
+              f"{r['logprob_speedup']:.2f}x | {r['train_speedup']:.2f}x | {r['jet_requant']:.3f} | "
+              f"{r['bf16_peak_GiB']:.1f} / {r['jet_peak_GiB']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
