@@ -104,3 +104,26 @@ def test_logits_parity_bf16_on_gpu(model_type, tmp_path, megatron_single):
     # (seen on the H200: max diff 0.14 of a 1.4 logit scale at 98% argmax agreement).
     bound = 0.2 if model_type == "qwen3_moe" else 0.05
     assert diff < bound * ref.abs().max().item() and agree > 0.95
+
+
+def test_jet_model_forward_backward_on_scaled_mm(tmp_path, megatron_single):
+    """The FP8 model path on CUDA (qkv permutation, cache, scaled_mm) against the bf16 model."""
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("qwen3", str(tmp_path))
+    tokens = torch.randint(0, 384, (2, 64), device="cuda")
+    pos = torch.arange(64, device="cuda").expand_as(tokens)
+    outs = {}
+    for mode in ("bf16", "jet"):
+        _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"])
+        model = model.bfloat16()
+        state.bump()
+        assert state.backend == "scaled_mm"
+        out = model(tokens, pos, None).float()
+        out.square().mean().backward()
+        grads = model.decoder.layers[0].self_attention.linear_qkv.weight.grad
+        outs[mode] = (out.detach(), grads.float())
+    (y_b, g_b), (y_j, g_j) = outs["bf16"], outs["jet"]
+    assert 1e-4 < ((y_j - y_b).norm() / y_b.norm()).item() < 0.1
+    assert ((g_j - g_b).norm() / g_b.norm()).item() < 0.2

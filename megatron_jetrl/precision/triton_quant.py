@@ -16,6 +16,21 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 
 
 @triton.jit
+def _scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
+    """The recipe's rule per group: (scale_inv, multiplier applied before the E4M3 cast)."""
+    if UE8M0:
+        y = amax * inv_max
+        bits = y.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale_inv = amax * inv_max
+        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
+    return scale_inv, mult
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
                       UE8M0: tl.constexpr):
@@ -26,15 +41,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-    if UE8M0:
-        y = amax * inv_max
-        bits = y.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    else:
-        scale_inv = amax * inv_max
-        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
@@ -84,15 +91,7 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         amax = tl.full((G,), 0.0, tl.float32) + amax
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
-    if UE8M0:
-        y = amax * inv_max
-        bits = y.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    else:
-        scale_inv = amax * inv_max
-        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
     tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
     if TILE_SCALE:
