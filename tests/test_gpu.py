@@ -116,7 +116,7 @@ def test_jet_model_forward_backward_on_scaled_mm(tmp_path, megatron_single):
     pos = torch.arange(64, device="cuda").expand_as(tokens)
     outs = {}
     for mode in ("bf16", "jet"):
-        _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"])
+        _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"], backend="auto")
         model = model.bfloat16()
         state.bump()
         assert state.backend == "scaled_mm"

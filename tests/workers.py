@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 
-def build_loaded(hf_dir: str, overrides: list[str]):
+def build_loaded(hf_dir: str, overrides: list[str], backend: str = "emulated"):
     """init megatron for the layout in ``overrides`` and load the HF checkpoint (fp32)."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.distributed import init_distributed
@@ -15,7 +15,7 @@ def build_loaded(hf_dir: str, overrides: list[str]):
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "precision.params_dtype=fp32", *overrides])
     init_distributed(cfg.parallel)
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision),
-                               torch.float32, backend="emulated")
+                               torch.float32, backend=backend)
     load_hf_weights(model, cfg.model, hf_dir, state)
     return cfg, model, state
 
