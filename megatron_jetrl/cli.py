@@ -33,7 +33,8 @@ def cmd_train(args) -> int:
         return 2
     from megatron_jetrl.train import train
 
-    run_dir = train(cfg)
+    train(cfg)
+    run_dir = cfg.logging.run_dir
     if args.plot:
         from megatron_jetrl.metrics.plot import plot_run
 

@@ -122,10 +122,43 @@ def hand_over_weights(run: Run, version: int) -> dict:
     return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
 
 
+def _dp() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def my_prompts(run: Run, n: int) -> list[Sample]:
+    """This data-parallel rank's ``n`` prompts: every rank draws the same ``n * dp`` from the shared
+    stream (so the stream position stays one number) and takes its own slice."""
+    rank, dp = _dp()
+    return run.stream.next(n * dp)[rank * n:(rank + 1) * n]
+
+
+def reduce_over_dp(m: dict) -> dict:
+    """Step metrics as one number per run: mean over DP ranks (max/min for *_max/*_min)."""
+    from megatron.core import parallel_state
+
+    if _dp()[1] == 1:
+        return m
+    group = parallel_state.get_data_parallel_group()
+    keys = sorted(m)
+    vals = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)
+    out = {}
+    for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.endswith(("_max", "_min"))),
+                     (dist.ReduceOp.MAX, lambda k: k.endswith("_max")),
+                     (dist.ReduceOp.MIN, lambda k: k.endswith("_min"))):
+        t = vals.clone()
+        dist.all_reduce(t, op=op, group=group)
+        out.update({k: float(t[i]) / (_dp()[1] if op == dist.ReduceOp.SUM else 1) for i, k in enumerate(keys) if pick(k)})
+    return out
+
+
 def rl_step(run: Run, step: int) -> dict:
     m: dict = {}
-    run.engine.generator.manual_seed(run.cfg.seed + step)  # per-step seed: a resumed run samples the same
-    samples = run.stream.next(run.cfg.rollout.prompts_per_step)
+    rank, dp = _dp()
+    run.engine.generator.manual_seed(run.cfg.seed + step * dp + rank)  # per step and DP rank: a resumed run samples the same
+    samples = my_prompts(run, run.cfg.rollout.prompts_per_step)
     with timed(m, "rollout"):
         prompts, gens = generate_rollouts(run, samples)
     rewards = score(run, samples, gens)
@@ -142,12 +175,12 @@ def rl_step(run: Run, step: int) -> dict:
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std(), response_length_mean=lengths.mean(),
              response_length_max=lengths.max(), tokens_per_s=lengths.sum() / m["time_rollout"], is_rl=1.0)
     m.update({k: float(v) for k, v in L.mismatch_metrics(batch.old_logp, batch.rollout_logp, batch.mask).items()})
-    return m
+    return reduce_over_dp(m)
 
 
 def sft_step(run: Run) -> dict:
     tok = run.tokenizer
-    samples = run.stream.next(run.cfg.rollout.prompts_per_step * run.cfg.rollout.n_samples_per_prompt)
+    samples = my_prompts(run, run.cfg.rollout.prompts_per_step * run.cfg.rollout.n_samples_per_prompt)
     prompts = [encode_prompt(tok, s) for s in samples]
     answers = [tok.encode(s.answer) + [tok.eos_id] for s in samples]
     batch = build_batch(prompts, answers, [[0.0] * len(a) for a in answers], torch.zeros(len(samples)),
@@ -156,10 +189,10 @@ def sft_step(run: Run) -> dict:
     with timed(m, "train"):
         m.update(run.actor.sft_step(batch))
     m.update(run.engine.update_weights(run.actor.steps, None), is_rl=0.0)
-    return m
+    return reduce_over_dp(m)
 
 
-def train(cfg: JetConfig) -> str:
+def train(cfg: JetConfig) -> Run:
     """Run ``cfg.algo.sft_warmup_steps`` supervised steps then ``cfg.steps`` RL steps."""
     from tqdm import tqdm
 
@@ -178,4 +211,4 @@ def train(cfg: JetConfig) -> str:
             save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.stream.state_dict()}, cfg.model)
     if run.logger:
         run.logger.close()
-    return cfg.logging.run_dir
+    return run

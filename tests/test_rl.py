@@ -84,3 +84,21 @@ def test_killed_run_resumes_without_losing_steps(tmp_path):
     _train(tmp_path, "steps=12", "checkpoint.save_interval=3", "--resume")
     steps = [r["step"] for r in _rows(tmp_path)]
     assert steps == list(range(14)), (killed_at, steps)
+
+
+@pytest.mark.slow
+def test_data_parallel_loop_with_distributed_optimizer(tmp_path):
+    from tests.dist import run_workers
+    from tests.workers import dp_train_worker
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        r0, r1 = run_workers(dp_train_worker, 2, str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    assert r0["param_sum"] == r1["param_sum"] and r0["param_abs"] == r1["param_abs"]  # replicas stay equal
+    assert all("Distributed" in name for name in r0["dist_opt"]), r0["dist_opt"]
+    assert r0["stream"] == r1["stream"]  # one shared stream position (each rank took its own slice)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(0 <= r.get("reward_mean", 0) <= 1 for r in rows)

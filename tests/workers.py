@@ -115,3 +115,19 @@ def convert_worker(rank, world, jobs):
         dist.barrier()
     destroy_distributed()
     return True
+
+
+def dp_train_worker(rank, world, run_dir):
+    """The RL loop at DP=2 with the distributed optimizer: returns a checksum of the parameters
+    and of this rank's first rollout prompts."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.train import train
+
+    cfg = load_config("examples/configs/tiny.yaml", [
+        f"logging.run_dir={run_dir}", "steps=3", "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=4", "parallel.distributed_optimizer=true", "logging.tensorboard=false"])
+    run = train(cfg)
+    params = torch.cat([p.detach().float().reshape(-1) for p in run.actor.module.parameters()])
+    return {"param_sum": float(params.double().sum()), "param_abs": float(params.double().abs().sum()),
+            "dist_opt": [type(o).__name__ for o in getattr(run.actor.optimizer, "chained_optimizers", [run.actor.optimizer])],
+            "stream": run.stream.state_dict()}
