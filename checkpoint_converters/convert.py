@@ -7,7 +7,8 @@
   checkpoints reshard on load, so any layout can read the result.
 - ``megatron_to_hf``: a checkpoint written by ``hf_to_megatron`` or by ``jetrl train`` (any layout)
   -> an HF directory: config.json, safetensors shards (<= 5 GB) + index, generation_config.json,
-  tokenizer files when given; ``dtype="fp8"`` writes the block-FP8 format with its
+  tokenizer files when given; run it under torchrun with a layout (``parallel.*``) to keep each rank to its shard;
+  ``dtype="fp8"`` writes the block-FP8 format with its
   ``quantization_config``: the bytes the rollout engine receives for those weights (the FP8 cache
   is a function of the parameters: same parameters, same recipe, same bytes).
 
@@ -79,7 +80,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = ()
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_dir: Optional[str] = None,
-                   shard_bytes: int = 5 << 30, model_cfg=None) -> str:
+                   shard_bytes: int = 5 << 30, model_cfg=None, parallel_overrides: list[str] = ()) -> str:
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -98,7 +99,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         raise CheckpointError(f"checkpoint error: {ckpt_dir!r} has no metadata.json: not a torch_dist checkpoint "
                               "(or an unfinished one); pick a complete checkpoint directory")
     model_cfg = model_cfg or read_model_config(ckpt_dir)
-    model, state = _build(model_cfg, [], torch.bfloat16)
+    # Under torchrun with a layout (parallel.*), each rank loads only its shard from the torch_dist
+    # checkpoint and writes its own safetensors files: no rank holds the whole model.
+    model, state = _build(model_cfg, list(parallel_overrides), torch.bfloat16)
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
     except Exception as e:  # megatron raises several types for missing/mismatched keys and shapes
@@ -113,12 +116,16 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         items = tqdm(items, desc=f"megatron-to-hf ({dtype})", unit="tensor")
     hf_cfg = model_cfg.to_hf_config()
     writer = DiskTransport(out_dir, hf_cfg, shard_bytes=shard_bytes,
-                           quantization_config=recipe.hf_quantization_config() if dtype == "fp8" else None)
+                           quantization_config=recipe.hf_quantization_config() if dtype == "fp8" else None,
+                           collective=True)
     try:
         writer.push(0, items)
     except BaseException:
-        shutil.rmtree(out_dir.rstrip("/") + ".tmp", ignore_errors=True)
+        if _rank0():
+            shutil.rmtree(out_dir.rstrip("/") + ".tmp", ignore_errors=True)
         raise
+    if not _rank0():
+        return out_dir
     os.remove(os.path.join(out_dir, "weight_hashes.json"))
     gen = {"bos_token_id": None, "eos_token_id": None, "do_sample": True, "transformers_version": None}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

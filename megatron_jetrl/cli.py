@@ -62,7 +62,7 @@ def cmd_convert(args) -> int:
             out = hf_to_megatron(args.src, args.out, args.overrides,
                                  {"bf16": torch.bfloat16, "fp32": torch.float32}[args.params_dtype])
         else:
-            out = megatron_to_hf(args.src, args.out, args.dtype, args.tokenizer)
+            out = megatron_to_hf(args.src, args.out, args.dtype, args.tokenizer, parallel_overrides=args.overrides)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     c.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="megatron-to-hf: output format")
     c.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16", help="hf-to-megatron: stored dtype")
     c.add_argument("--tokenizer", help="megatron-to-hf: copy tokenizer files from this directory")
-    c.add_argument("overrides", nargs="*", help="hf-to-megatron layout: parallel.tensor_parallel=2 ...")
+    c.add_argument("overrides", nargs="*", help="layout to run the conversion in (under torchrun): "
+                                                "parallel.tensor_parallel=2 parallel.pipeline_parallel=2 ...")
     c.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")

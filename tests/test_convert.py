@@ -32,7 +32,10 @@ def converted(tmp_path_factory):
     for i, mt in enumerate(LAYOUTS):
         src = str(root / f"{mt}-hf")
         make_hf_model(mt, src, seed=20 + i, dtype=torch.bfloat16)
-        jobs.append((src, str(root / f"{mt}-mcore"), LAYOUTS[mt]))
+        jobs.append(("hf-to-megatron", src, str(root / f"{mt}-mcore"), LAYOUTS[mt]))
+    # and back in another layout across 4 ranks, each writing its own shard files
+    back = ["parallel.pipeline_parallel=2"]
+    jobs += [("megatron-to-hf", str(root / f"{mt}-mcore"), str(root / f"{mt}-back4"), back, "bf16") for mt in LAYOUTS]
     run_workers(convert_worker, 4, jobs)
     return root
 
@@ -47,10 +50,11 @@ def test_round_trip_bit_identical_and_logits(model_type, converted, megatron_sin
     assert json.load(open(mcore / "model_config.json"))["model_type"] == model_type
     out = str(root / f"{model_type}-back")
     megatron_to_hf(str(mcore), out, "bf16", shard_bytes=300_000)
-    a, b = HFCheckpoint(str(src)), HFCheckpoint(out)
-    assert sorted(a.keys()) == sorted(b.keys())
-    for k in a.keys():
-        assert torch.equal(a.raw(k).view(torch.uint8), b.raw(k).view(torch.uint8)), k
+    a = HFCheckpoint(str(src))
+    for b in (HFCheckpoint(out), HFCheckpoint(str(root / f"{model_type}-back4"))):  # world size 1 and 4 (PP2, DP2)
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.raw(k).view(torch.uint8), b.raw(k).view(torch.uint8)), k
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1  # sharded at the given size, with an index
     assert os.path.isfile(os.path.join(out, "generation_config.json"))

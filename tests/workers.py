@@ -104,14 +104,17 @@ def broadcast_worker(rank, world, hf_dir):
 
 
 def convert_worker(rank, world, jobs):
-    """hf_to_megatron for each (hf_dir, out_dir, layout overrides), all ranks together."""
+    """For each (direction, src, out, layout overrides[, dtype]): the conversion, all ranks together."""
     import torch.distributed as dist
 
-    from checkpoint_converters.convert import hf_to_megatron
+    from checkpoint_converters.convert import hf_to_megatron, megatron_to_hf
     from megatron_jetrl.distributed import destroy_distributed
 
-    for hf_dir, out_dir, overrides in jobs:
-        hf_to_megatron(hf_dir, out_dir, overrides)
+    for direction, src, out, overrides, *dtype in jobs:
+        if direction == "hf-to-megatron":
+            hf_to_megatron(src, out, overrides)
+        else:
+            megatron_to_hf(src, out, dtype[0], shard_bytes=300_000, parallel_overrides=overrides)
         dist.barrier()
     destroy_distributed()
     return True

@@ -71,26 +71,36 @@ class InProcessTransport:
 
 
 class DiskTransport:
-    """Writes an HF checkpoint directory (what SGLang's ``update_weights_from_disk`` loads)."""
+    """Writes an HF checkpoint directory (what SGLang's ``update_weights_from_disk`` loads).
+
+    With ``collective=True`` every rank of the default process group calls ``push`` with its own
+    share of the export (e.g. each pipeline stage's exporter its layers): each writes its own
+    shard files, rank 0 gathers the names and writes the index; no rank holds the whole model."""
 
     def __init__(self, out_dir: str, hf_config: dict, shard_bytes: int = 5 << 30,
-                 quantization_config: Optional[dict] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 quantization_config: Optional[dict] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 collective: bool = False):
         self.out_dir, self.hf_config, self.shard_bytes = out_dir, hf_config, shard_bytes
         self.quantization_config, self.bucket_bytes = quantization_config, bucket_bytes
+        self.collective = collective and dist.is_initialized() and dist.get_world_size() > 1
 
     def push(self, version: int, items: Iterable[tuple[str, torch.Tensor]]) -> dict:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
+        rank = dist.get_rank() if self.collective else 0
         tmp = self.out_dir.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        if self.collective:
+            dist.barrier()
         weight_map, hashes, shard, size, files, total = {}, {}, {}, 0, [], 0
 
         def flush():
             nonlocal shard, size
             if shard:
-                fname = f"model-{len(files) + 1:05d}.safetensors"
+                fname = f"part-{rank:05d}-{len(files) + 1:05d}.safetensors"
                 save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt", "weight_version": str(version)})
                 files.append(fname)
                 weight_map.update({k: fname for k in shard})
@@ -106,12 +116,27 @@ class DiskTransport:
                 size += n
                 total += n
         flush()
-        # Shards are named with their final count (HF convention model-0000i-of-0000n).
-        final_map = {}
-        for i, fname in enumerate(files, 1):
-            new = f"model-{i:05d}-of-{len(files):05d}.safetensors"
-            os.replace(os.path.join(tmp, fname), os.path.join(tmp, new))
-            final_map.update({k: new for k, v in weight_map.items() if v == fname})
+        shares = [(files, weight_map, hashes, total)]
+        if self.collective:
+            shares = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, (files, weight_map, hashes, total))
+        if rank == 0:
+            self._finalize(tmp, version, shares)
+        if self.collective:
+            dist.barrier()
+        n_tensors = sum(len(h) for _, _, h, _ in shares)
+        return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": sum(t for *_, t in shares),
+                "sync_tensors": n_tensors}
+
+    def _finalize(self, tmp: str, version: int, shares) -> None:
+        # Shards get their final names (HF convention model-0000i-of-0000n) once all are known.
+        all_files = [f for files, *_ in shares for f in files]
+        renamed = {f: f"model-{i:05d}-of-{len(all_files):05d}.safetensors" for i, f in enumerate(all_files, 1)}
+        for old, new in renamed.items():
+            os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
+        final_map = {k: renamed[v] for _, wm, _, _ in shares for k, v in wm.items()}
+        hashes = {k: v for _, _, h, _ in shares for k, v in h.items()}
+        total = sum(t for *_, t in shares)
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total, "weight_version": version}, "weight_map": final_map}, f, indent=1)
         cfg = dict(self.hf_config)
@@ -124,7 +149,6 @@ class DiskTransport:
         if os.path.exists(self.out_dir):
             shutil.rmtree(self.out_dir)
         os.replace(tmp, self.out_dir)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": total, "sync_tensors": len(hashes)}
 
 
 def verify_disk(out_dir: str) -> dict:
