@@ -120,11 +120,17 @@ def test_convert_a_checkpoint_written_by_jetrl_train(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "unrelated.txt").write_text("x")
     for dtype in ("bf16", "fp8"):
         out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "convert", "megatron-to-hf", str(ckpt),
-                              str(tmp_path / dtype), "--dtype", dtype], env=env, capture_output=True, text=True,
-                             timeout=600)
+                              str(tmp_path / dtype), "--dtype", dtype, "--tokenizer", str(tok)], env=env,
+                             capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
+        assert (tmp_path / dtype / "tokenizer.json").exists() and not (tmp_path / dtype / "unrelated.txt").exists()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).eval()
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 64, (1, 8))).logits).all()

@@ -59,8 +59,8 @@ class FP8ModelState:
 class FP8WeightCache:
     """The FP8 bytes and scales of one linear's weight for one version, in rollout layout."""
 
-    def __init__(self, sub_rows: list[int], perm: Optional[torch.Tensor]):
-        self.sub_rows = sub_rows
+    def __init__(self, sub_rows: list[int], perm: Optional[torch.Tensor], block_rows: int = 128):
+        self.sub_rows, self.block_rows = sub_rows, block_rows
         self.perm = perm
         self.inv_perm = None if perm is None else torch.argsort(perm)
         self.version = -1
@@ -85,10 +85,9 @@ class FP8WeightCache:
 
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (fp8, scale_inv) of each logical sub-matrix (q, k, v / gate, up), rollout layout."""
-        out, row = [], 0
-        srow = 0
+        out, row, srow = [], 0, 0
         for n in self.sub_rows:
-            sn = -(-n // 128)
+            sn = -(-n // self.block_rows)
             out.append((self.qweight[row:row + n], self.scale_inv[srow:srow + sn]))
             row, srow = row + n, srow + sn
         return out
@@ -218,7 +217,8 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
                                  f"that keeps shards {g}-aligned")
         module.fp8_state = state
         module.fp8_backend = resolved
-        module.fp8_cache = FP8WeightCache(sub, None if perm is None else perm.to(module.weight.device))
+        module.fp8_cache = FP8WeightCache(sub, None if perm is None else perm.to(module.weight.device),
+                                          recipe.weight_block[0])
         n += 1
     state.num_fp8_layers = n
     state.backend = resolved
