@@ -51,6 +51,16 @@ def test_triton_transposed_quant_bit_identical(shape, tile, scale_fmt):
     assert _same(q_t, q_r) and torch.equal(s_t, s_r)
 
 
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("shape", [(300, 200), (4096, 14336), (128, 128)])
+def test_triton_weight_quant_bit_identical(shape, scale_fmt):
+    recipe = FP8Recipe(scale_fmt=scale_fmt)
+    w = _x(shape) * 0.02
+    q_t, s_t = quantize_weight(w, recipe, use_triton=True)
+    q_r, s_r = quantize_weight(w, recipe, use_triton=False)
+    assert _same(q_t, q_r) and torch.equal(s_t, s_r)
+
+
 @pytest.mark.parametrize("M,N,K", [(256, 512, 384), (1024, 4096, 4096), (77, 300, 200)])
 def test_scaled_mm_matches_emulated_fwd_dgrad_wgrad(M, N, K):
     recipe = FP8Recipe()

@@ -79,8 +79,16 @@ def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = N
     return q.view(*lead, x.shape[-1]), s.view(*lead, s.shape[-1])
 
 
-def quantize_weight(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks: ``[N, K] -> q [N, K], scale_inv [ceil(N/128), ceil(K/128)]``."""
+def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks: ``[N, K] -> q [N, K], scale_inv [ceil(N/128), ceil(K/128)]`` (Triton on
+    CUDA, bit-identical to the torch statement)."""
+    if use_triton is None:
+        use_triton = w.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import quantize_weight_triton
+
+        return quantize_weight_triton(w, recipe)
     return quantize_blocks(w, *recipe.weight_block, recipe)
 
 

@@ -74,9 +74,10 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
 @triton.jit
 def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, stride_qc, stride_sc,
                     inv_max, fmax, eps, G: tl.constexpr, DEQUANT: tl.constexpr,
-                    TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr):
-    # Tile [G rows (r), G cols (c)] of x [R, C]; writes y = x^T [C, R] quantized with groups of G
-    # along r: one scale per output row (1xG, TILE_SCALE=False) or per tile (GxG).
+                    TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr, TRANSPOSE: tl.constexpr):
+    # Tile [G rows (r), G cols (c)] of x [R, C]. TRANSPOSE: writes y = x^T [C, R] quantized with
+    # groups of G along r: one scale per output row (1xG, TILE_SCALE=False) or per tile (GxG).
+    # Not TRANSPOSE (weights): x itself in GxG blocks, scale [R/G, C/G].
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * G + tl.arange(0, G)
@@ -93,9 +94,16 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
     scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
-    tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
+    else:
+        tl.store(q_ptr + rows[:, None] * stride_qc + cols[None, :], q, mask=mask)
     if TILE_SCALE:
-        tl.store(s_ptr + pid_c * stride_sc + pid_r + tl.arange(0, G) * 0, scale_inv, mask=tl.arange(0, G) == 0)
+        if TRANSPOSE:
+            s_off = pid_c * stride_sc + pid_r
+        else:
+            s_off = pid_r * stride_sc + pid_c
+        tl.store(s_ptr + s_off + tl.arange(0, G) * 0, scale_inv, mask=tl.arange(0, G) == 0)
     else:
         tl.store(s_ptr + cols * stride_sc + pid_r, scale_inv, mask=cols < C)
 
@@ -115,5 +123,21 @@ def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: b
         _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
                                   1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                   DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
-                                  UE8M0=recipe.scale_fmt == "ue8m0", num_warps=8)
+                                  UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, num_warps=8)
+    return q, s
+
+
+def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q [N, K], scale_inv [ceil(N/G), ceil(K/G)]) in GxG blocks, one program per block."""
+    w = w.contiguous()
+    R, C = w.shape
+    G = recipe.group_size
+    rb, cb = triton.cdiv(R, G), triton.cdiv(C, G)
+    q = torch.empty((R, C), dtype=recipe.dtype, device=w.device)
+    s = torch.empty((rb, cb), dtype=torch.float32, device=w.device)
+    if R and C:
+        _quant_t_kernel[(rb, cb)](w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
+                                  TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
+                                  num_warps=8)
     return q, s
