@@ -31,9 +31,15 @@ def cmd_train(args) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from megatron_jetrl.data.prompts import DataError
+    from megatron_jetrl.models.hf_io import CheckpointError
     from megatron_jetrl.train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except (ConfigError, CheckpointError, DataError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
     run_dir = cfg.logging.run_dir
     if args.plot:
         from megatron_jetrl.metrics.plot import plot_run

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.config import JetConfig, save_config
+from megatron_jetrl.config import ConfigError, JetConfig, save_config
 from megatron_jetrl.data.prompts import PromptStream, Sample, load_prompts, synthetic_arithmetic
 from megatron_jetrl.data.tokenizer import load_tokenizer
 from megatron_jetrl.metrics.logger import MetricsLogger
@@ -64,8 +64,8 @@ def setup(cfg: JetConfig) -> Run:
     init_distributed(cfg.parallel, cfg.seed)
     tok = load_tokenizer(cfg.model.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"config error: model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                         f"tokenizer's {tok.vocab_size}; raise model.vocab_size")
+        raise ConfigError(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's {tok.vocab_size}; raise model.vocab_size")
     recipe = FP8Recipe.from_config(cfg.precision)
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)

@@ -103,3 +103,6 @@ def test_cli_help_and_bad_override():
                           "parallel.tensor_parallel=3"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("config error: parallel.tensor_parallel: 3 does not divide")
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
+                          "data.path=/nonexistent.jsonl"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("data.path: '/nonexistent.jsonl' not found")

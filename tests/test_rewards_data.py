@@ -59,7 +59,7 @@ def test_jsonl_and_parquet_prompts(tmp_path):
     bad.write_text('{"prompt": 1}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
         load_prompts(str(bad))
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(ValueError, match="data.path: .* not found"):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 

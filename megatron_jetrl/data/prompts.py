@@ -8,6 +8,10 @@ import random
 from dataclasses import dataclass, field
 
 
+class DataError(ValueError):
+    """A bad prompt file; one line naming the file/row and the fix."""
+
+
 @dataclass
 class Sample:
     prompt: str
@@ -18,7 +22,7 @@ class Sample:
 def load_prompts(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Sample]:
     """Read ``path`` (.jsonl or .parquet); every row needs ``prompt_key`` and ``answer_key``."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data.path: {path!r} not found; give a .jsonl or .parquet prompt file")
+        raise DataError(f"data.path: {path!r} not found; give a .jsonl or .parquet prompt file")
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -33,20 +37,20 @@ def load_prompts(path: str, prompt_key: str = "prompt", answer_key: str = "answe
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"data.path: {path}:{n} is not valid JSON ({e.msg}); "
+                        raise DataError(f"data.path: {path}:{n} is not valid JSON ({e.msg}); "
                                          "write one JSON object per line") from None
     else:
-        raise ValueError(f"data.path: {path!r} has an unknown extension; use .jsonl or .parquet")
+        raise DataError(f"data.path: {path!r} has an unknown extension; use .jsonl or .parquet")
     out = []
     for n, row in enumerate(rows, 1):
         for key in (prompt_key, answer_key):
             if key not in row:
-                raise ValueError(f"data.path: row {n} of {path} has no {key!r} field; "
+                raise DataError(f"data.path: row {n} of {path} has no {key!r} field; "
                                  f"set data.prompt_key/data.answer_key to its column names")
         meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
         out.append(Sample(str(row[prompt_key]), str(row[answer_key]), meta))
     if not out:
-        raise ValueError(f"data.path: {path} holds no rows")
+        raise DataError(f"data.path: {path} holds no rows")
     return out
 
 
