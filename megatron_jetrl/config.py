@@ -313,6 +313,12 @@ class LoggingConfig:
     """Run directory: config.yaml, metrics.jsonl, tb/, checkpoints/."""
     tensorboard: bool = True
     """Write TensorBoard scalars under run_dir/tb."""
+    parity_interval: int = 1
+    """Check the FP8 weight hash parity of the hand-over every N RL steps (0 = never). Hashing copies
+    the FP8 weights to the CPU: on large models use e.g. 50."""
+
+    def __post_init__(self):
+        _check(self.parity_interval >= 0, "logging.parity_interval", "must be >= 0", "use 0 to disable")
 
 
 @dataclass(kw_only=True)

@@ -117,7 +117,11 @@ def score(run: Run, samples: list[Sample], gens) -> torch.Tensor:
 
 def hand_over_weights(run: Run, version: int) -> dict:
     """Export the weights as the rollout receives them (FP8 bytes + scales of the trainer's cache
-    when the rollout is FP8) and hand them over; the receiver checks the hashes."""
+    when the rollout is FP8) and hand them over; the receiver checks the hashes (every
+    ``logging.parity_interval`` steps)."""
+    every = run.cfg.logging.parity_interval
+    if not every or version % every:
+        return run.engine.update_weights(version, None)
     opts = ExportOptions(fp8=run.actor.fp8_state.recipe.rollout_fp8)
     return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
 

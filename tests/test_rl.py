@@ -63,6 +63,8 @@ def test_resume_continues_the_same_run(tmp_path):
     _train(tmp_path / "b", "steps=6", "checkpoint.save_interval=4", "--resume")
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(8))  # each step once, in order
+    rl = [r for r in b if r["is_rl"] == 1.0]
+    assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)  # FP8 hand-over verified
     for ra, rb in zip(a, b):
         for key in ("reward_mean", "pg_loss", "sft_loss", "grad_norm"):
             if key in ra:
