@@ -143,3 +143,15 @@ def test_broadcast_transport_over_gloo(hf_dirs):
     assert receiver["parity"]["parity_checked"] == len(sender["sent"])
     _assert_bytes_equal(receiver["tensors"], sender["sent"], "broadcast")
     assert sender["stats"]["sync_bytes"] == sum(nbytes(t) for t in sender["sent"].values())
+
+
+def test_bench_sync_and_mismatch_cli_numbers(tmp_path, megatron_single):
+    """The two CPU-runnable benchmarks end to end: FP8 sends fewer bytes; jet's mismatch is far
+    below fp8_rollout's on the same weights (fp32 parameters, emulated FP8)."""
+    from megatron_jetrl.bench import mismatch, sync
+
+    rows = sync.main(["--preset", "tiny", "--repeats", "1", "--json", str(tmp_path / "s.json")])
+    assert rows[1]["bytes"] < 0.6 * rows[0]["bytes"] and json.load(open(tmp_path / "s.json"))["rows"]
+    mm = {r["mode"]: r for r in mismatch.main(["--prompts", "16", "--prompt-len", "6", "rollout.max_new_tokens=8"])}
+    assert mm["jet"]["mismatch_abs_mean"] * 50 < mm["fp8_rollout"]["mismatch_abs_mean"]
+    assert mm["bf16"]["mismatch_abs_mean"] < 1e-5

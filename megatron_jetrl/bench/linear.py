@@ -3,12 +3,11 @@ quantization share) and, with ``--decode``, at decode sizes, in one run on one G
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.timing import time_ms
+from megatron_jetrl.bench.timing import dump_json, time_ms
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
@@ -87,9 +86,7 @@ def main(argv=None) -> list[dict]:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_json(args.json, rows)
     return rows
 
 

@@ -8,9 +8,10 @@ fp8_rollout (the off-policy baseline).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
+
+from megatron_jetrl.bench.timing import dump_json
 
 MODES = ("bf16", "fp8_rollout", "jet")
 
@@ -74,9 +75,7 @@ def main(argv=None) -> list[dict]:
         print(f"| {r['mode']} | {r['mismatch_abs_mean']:.3g} | {r['mismatch_abs_max']:.3g} | "
               f"{r['mismatch_k3_kl']:.3g} | {r['is_weight_min']:.3g} / {r['is_weight_max']:.3g} | "
               f"{int(r['tokens'])} | {r['params'] / 1e6:.1f}M |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_json(args.json, rows)
     return rows
 
 

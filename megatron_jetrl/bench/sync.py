@@ -8,10 +8,11 @@ optimizer step) is timed separately. Optionally writes the disk transport's chec
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+
+from megatron_jetrl.bench.timing import dump_json
 
 
 def _sync():
@@ -73,9 +74,7 @@ def main(argv=None) -> list[dict]:
         print(f"| {r['mode']} | {r['bytes'] / 1e9:.3f} GB | {r['tensors']} | {r['buckets']} | {r['seconds']:.3f} | "
               f"{r['GBps']:.1f} |" + (f" {r['disk_seconds']:.2f} |" if args.disk else ""))
     print(f"FP8 / BF16 bytes: {rows[1]['bytes'] / rows[0]['bytes']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "refresh_seconds": refresh}, f, indent=1)
+    dump_json(args.json, {"rows": rows, "refresh_seconds": refresh})
     return rows
 
 

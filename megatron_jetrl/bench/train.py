@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 
 import torch
+
+from megatron_jetrl.bench.timing import dump_json
 
 
 def _phase(cfg, seq: int, n_seqs: int, steps: int) -> dict:
@@ -97,9 +98,7 @@ def main(argv=None) -> list[dict]:
         print(f"| {r['seq']} | {r['bf16_phase']:.3f} | {r['jet_phase']:.3f} | {r['phase_speedup']:.2f}x | "
               f"{r['logprob_speedup']:.2f}x | {r['train_speedup']:.2f}x | {r['jet_requant']:.3f} | "
               f"{r['bf16_peak_GiB']:.1f} / {r['jet_peak_GiB']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_json(args.json, rows)
     return rows
 
 
