@@ -155,3 +155,33 @@ def test_bench_sync_and_mismatch_cli_numbers(tmp_path, megatron_single):
     mm = {r["mode"]: r for r in mismatch.main(["--prompts", "16", "--prompt-len", "6", "rollout.max_new_tokens=8"])}
     assert mm["jet"]["mismatch_abs_mean"] * 50 < mm["fp8_rollout"]["mismatch_abs_mean"]
     assert mm["bf16"]["mismatch_abs_mean"] < 1e-5
+
+
+def test_sglang_flattened_bucket_transport(hf_dirs, megatron_single):
+    """Buckets built with SGLang's own FlattenedTensorBucket; reconstructed the way a server does;
+    every offset aligned for SGLang's receiving side (FlattenedTensorBucket.empty)."""
+    import importlib.metadata
+
+    try:  # its package __init__ needs the server's deps: look for the distribution, don't import it
+        importlib.metadata.distribution("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sglang is not installed (tools/setup_env.sh installs it with --no-deps)")
+    from megatron_jetrl.sync.sglang_bucket import SGLangTensorBucketTransport, receive_bucket, sglang_bucket_class
+
+    cfg, model, _ = build_loaded(hf_dirs["qwen3"], ["precision.mode=jet"])
+    sent = dict(iter_hf_tensors(model, cfg.model, ExportOptions(fp8=True)))
+    payloads = []
+    transport = SGLangTensorBucketTransport(lambda p, v, last: payloads.append((p, v, last)), bucket_bytes=200_000)
+    stats = transport.push(3, iter(sent.items()))
+    assert len(payloads) > 1 and [last for *_, last in payloads] == [False] * (len(payloads) - 1) + [True]
+    assert all(v == 3 for _, v, _ in payloads)
+    got = {}
+    cls = sglang_bucket_class()
+    for payload, _, _ in payloads:
+        assert payload["flattened_tensor"].numel() <= 200_000 or len(payload["metadata"]) == 1
+        meta = payload["metadata"]
+        cls.empty([m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta], "cpu")  # aligned
+        got.update(receive_bucket(payload))
+    _assert_bytes_equal(got, sent, "sglang-bucket")
+    assert {k: tensor_hash(v) for k, v in got.items()} == transport.last_hashes
+    assert stats["sync_tensors"] == len(sent)

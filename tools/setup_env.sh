@@ -14,4 +14,8 @@ pip install -q "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil triton 2>
 python -c "import megatron.core" 2>/dev/null || \
   pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" 2>&1 | grep -v -i warning || true
 pip install -q -e ".[test]" 2>&1 | grep -v -i warning || true
+# SGLang's pure-Python parts (weight-sync bucket class, request types) for the CPU tests: no deps,
+# so its CUDA kernels and its torch pin stay out of this environment.
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" 2>/dev/null || \
+  pip install -q --no-deps "sglang==0.5.23" 2>&1 | grep -v -i warning || true
 python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"

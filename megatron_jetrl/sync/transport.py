@@ -175,7 +175,10 @@ class BroadcastTransport:
     def push(self, version: int, items: Iterable[tuple[str, torch.Tensor]]) -> dict:
         t0 = time.perf_counter()
         hashes, total = {}, 0
+        from megatron_jetrl.sync.sglang_bucket import aligned_order
+
         for bucket in bucketize(items, self.bucket_bytes):
+            bucket = aligned_order(bucket)  # every tensor at an offset aligned to its element size
             meta = [(n, list(t.shape), str(t.dtype)) for n, t in bucket]
             dist.broadcast_object_list([{"bucket": meta}], src=self.src, group=self.group)
             flat = torch.cat([t.detach().contiguous().view(torch.uint8).reshape(-1).to(self.device) for _, t in bucket])
