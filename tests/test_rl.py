@@ -104,3 +104,17 @@ def test_data_parallel_loop_with_distributed_optimizer(tmp_path):
     assert r0["stream"] == r1["stream"]  # one shared stream position (each rank took its own slice)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(0 <= r.get("reward_mean", 0) <= 1 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bf16", "fp8_rollout"])
+def test_other_precision_modes_train(mode, tmp_path):
+    extra = ["algo.tis_cap=2.0"] if mode == "fp8_rollout" else []
+    _train(tmp_path, "steps=3", f"precision.mode={mode}", *extra)
+    rl = [r for r in _rows(tmp_path) if r["is_rl"] == 1.0]
+    assert len(rl) == 3
+    if mode == "fp8_rollout":  # BF16 trainer vs FP8 sampler: measurable mismatch, TIS weights applied
+        assert all(r["mismatch_abs_mean"] > 1e-4 and "tis_weight_mean" in r for r in rl)
+        assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)
+    else:  # same BF16/fp32 numbers on both sides
+        assert all(r["mismatch_abs_mean"] < 1e-5 and r["parity_checked"] == 0 for r in rl)
