@@ -359,6 +359,13 @@ class JetConfig:
         if m.is_moe:
             _check(m.moe_ffn_hidden_size % tp == 0, "parallel.tensor_parallel",
                    f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
+        # Declared in the tree for the fleet/cluster work, not built yet: refuse rather than ignore.
+        _check(self.rollout.engine == "local", "rollout.engine",
+               "the SGLang fleet is not implemented yet", "use rollout.engine=local")
+        _check(self.scheduler.mode == "colocated", "scheduler.mode",
+               "the disaggregated scheduler is not implemented yet", "use scheduler.mode=colocated")
+        _check(self.precision.backend != "te", "precision.backend",
+               "the TransformerEngine backend is not implemented yet", "use auto, scaled_mm or emulated")
         _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",
                f"truncated importance sampling is for fp8_rollout, mode is {self.precision.mode}",
                "set algo.tis_cap=null or precision.mode=fp8_rollout")

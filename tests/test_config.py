@@ -35,6 +35,9 @@ def test_preset_loads_and_round_trips(tmp_path):
     (["model.model_type=gpt2"], r"model.model_type: 'gpt2' is not one of"),
     (["steps"], r"steps: override without '='"),
     (["model=3"], r"model: expected a mapping"),
+    (["rollout.engine=sglang"], r"rollout.engine: the SGLang fleet is not implemented yet; use rollout.engine=local"),
+    (["scheduler.mode=disaggregated"], r"scheduler.mode: the disaggregated scheduler is not implemented yet"),
+    (["precision.backend=te"], r"precision.backend: the TransformerEngine backend is not implemented yet"),
 ])
 def test_bad_config_one_line_errors(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern) as e:
