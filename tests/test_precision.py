@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_jetrl.precision.gemm import BackendUnavailable, block_gemm, resolve_backend
-from megatron_jetrl.precision.linear import FP8LinearFunction, _qkv_perm
+from megatron_jetrl.models.hf_mapping import qkv_permutation
+from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, quantize_act,
                                             quantize_blocks, quantize_weight)
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -158,7 +159,7 @@ def test_fp8_linear_with_qkv_permutation():
     recipe = FP8Recipe()
     heads_per_group, head_dim, groups = 2, 64, 2
     rows = groups * (heads_per_group + 2) * head_dim
-    perm, sub = _qkv_perm(rows, heads_per_group, head_dim)
+    perm, sub = qkv_permutation(rows, heads_per_group, head_dim)
     assert sub == [256, 128, 128]
     torch.manual_seed(1)
     x = torch.randn(40, 256, requires_grad=True)

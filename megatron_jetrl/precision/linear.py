@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from megatron_jetrl.models.hf_mapping import qkv_permutation
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_transposed,
                                             quantize_weight)
@@ -164,23 +165,12 @@ class FP8LinearMixin:
                                 kwargs.get("tp_group"))
 
 
-def _qkv_perm(rows: int, heads_per_group: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
-    """Megatron's per-group [q_g; k_g; v_g] rows -> [q; k; v] (SGLang qkv_proj order)."""
-    group = (heads_per_group + 2) * head_dim
-    groups = rows // group
-    idx = torch.arange(rows).view(groups, group)
-    qd = heads_per_group * head_dim
-    perm = torch.cat([idx[:, :qd].reshape(-1), idx[:, qd:qd + head_dim].reshape(-1),
-                      idx[:, qd + head_dim:].reshape(-1)])
-    return perm, [groups * qd, groups * head_dim, groups * head_dim]
-
-
 def _layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor]]:
     rows, cols = module.weight.shape
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "linear_qkv":
         hpg = config.num_attention_heads // config.num_query_groups
-        perm, sub = _qkv_perm(rows, hpg, config.kv_channels)
+        perm, sub = qkv_permutation(rows, hpg, config.kv_channels)
         return sub, perm
     if leaf == "linear_fc1" and config.gated_linear_unit:
         return [rows // 2, rows // 2], None

@@ -109,21 +109,29 @@ def hf_names(rule: Rule, idx: dict) -> list[str]:
 
 # ---- tensor transforms (dims from the model description) -----------------------------------
 
-def _qkv_split(fused: torch.Tensor, heads_per_group: int, head_dim: int) -> list[torch.Tensor]:
-    rows = fused.shape[0]
+def qkv_permutation(rows: int, heads_per_group: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
+    """Row order of Megatron's fused QKV (per query group g: g's q rows, its k rows, its v rows)
+    -> [q; k; v] (HF / SGLang ``qkv_proj`` order): ``fused[perm]`` is [q; k; v], with the q, k, v
+    row counts returned alongside. The one statement of this layout: the name tables and the FP8
+    weight cache (precision/linear.py) both use it."""
     group = (heads_per_group + 2) * head_dim
-    g = fused.view(rows // group, group, *fused.shape[1:])
+    groups = rows // group
+    idx = torch.arange(rows).view(groups, group)
     qd = heads_per_group * head_dim
-    return [g[:, :qd].reshape(-1, *fused.shape[1:]), g[:, qd:qd + head_dim].reshape(-1, *fused.shape[1:]),
-            g[:, qd + head_dim:].reshape(-1, *fused.shape[1:])]
+    perm = torch.cat([idx[:, :qd].reshape(-1), idx[:, qd:qd + head_dim].reshape(-1),
+                      idx[:, qd + head_dim:].reshape(-1)])
+    return perm, [groups * qd, groups * head_dim, groups * head_dim]
+
+
+def _qkv_split(fused: torch.Tensor, heads_per_group: int, head_dim: int) -> list[torch.Tensor]:
+    perm, sizes = qkv_permutation(fused.shape[0], heads_per_group, head_dim)
+    return list(fused.index_select(0, perm.to(fused.device)).split(sizes, 0))
 
 
 def _qkv_fuse(q, k, v, heads_per_group: int, head_dim: int) -> torch.Tensor:
-    groups = k.shape[0] // head_dim
-    rest = q.shape[1:]
-    parts = [q.reshape(groups, heads_per_group * head_dim, *rest),
-             k.reshape(groups, head_dim, *rest), v.reshape(groups, head_dim, *rest)]
-    return torch.cat(parts, 1).reshape(-1, *rest)
+    stacked = torch.cat([q, k, v], 0)
+    perm, _ = qkv_permutation(stacked.shape[0], heads_per_group, head_dim)
+    return stacked.index_select(0, torch.argsort(perm).to(stacked.device))
 
 
 def to_megatron_shard(rule: Rule, hf: list[torch.Tensor], tp_rank: int, tp_size: int, model) -> torch.Tensor:
