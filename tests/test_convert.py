@@ -11,7 +11,7 @@ import torch
 from checkpoint_converters.convert import hf_to_megatron, megatron_to_hf
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models.hf_io import CheckpointError, HFCheckpoint
-from megatron_jetrl.precision.quant import dequantize_blocks, quantize_weight
+from megatron_jetrl.precision.quant import dequantize_blocks, expand_blocks, quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
 from tests.dist import run_workers
 from tests.hf_models import make_hf_model
@@ -78,7 +78,7 @@ def test_round_trip_bit_identical_and_logits(model_type, converted, megatron_sin
             assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
             assert s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
             deq = dequantize_blocks(w, s, 128, 128)
-            bound = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]] * 16
+            bound = expand_blocks(s, 128, 128, *w.shape) * 16
             # at most half an E4M3 ulp at the block's top binade (ties land exactly on it)
             assert torch.all((deq - ref).abs() <= bound * (1 + 1e-5)), k
             assert torch.equal(w.view(torch.uint8), quantize_weight(ref, FP8Recipe())[0].view(torch.uint8)), k

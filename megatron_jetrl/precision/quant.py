@@ -43,6 +43,11 @@ def scales_from_amax(amax: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tenso
     return torch.exp2(e), torch.exp2(-e)
 
 
+def expand_blocks(grid: torch.Tensor, block_rows: int, block_cols: int, rows: int, cols: int) -> torch.Tensor:
+    """A per-block grid [ceil(rows/br), ceil(cols/bc)] repeated to one value per element [rows, cols]."""
+    return grid.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
 def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int, recipe: FP8Recipe
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor in ``block_rows x block_cols`` blocks; scale grid is ceil-divided."""
@@ -54,8 +59,7 @@ def quantize_blocks(x: torch.Tensor, block_rows: int, block_cols: int, recipe: F
     pad = torch.nn.functional.pad(x32.abs(), (0, cb * block_cols - cols, 0, rb * block_rows - rows))
     amax = pad.view(rb, block_rows, cb, block_cols).amax(dim=(1, 3))
     scale_inv, mult = scales_from_amax(amax, recipe)
-    mult_full = mult.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-    q = (x32 * mult_full).clamp_(-recipe.fp8_max, recipe.fp8_max).to(recipe.dtype)
+    q = (x32 * expand_blocks(mult, block_rows, block_cols, rows, cols)).clamp_(-recipe.fp8_max, recipe.fp8_max).to(recipe.dtype)
     return q, scale_inv
 
 
@@ -113,9 +117,7 @@ def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_blocks` (exact in float32: e4m3 x fp32 scale)."""
-    rows, cols = q.shape
-    s = scale_inv.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-    return (q.float() * s).to(dtype)
+    return (q.float() * expand_blocks(scale_inv, block_rows, block_cols, *q.shape)).to(dtype)
 
 
 def dequantize_act(q: torch.Tensor, scale_inv: torch.Tensor, group: int = 128,
