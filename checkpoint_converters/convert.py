@@ -117,7 +117,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     hf_cfg = model_cfg.to_hf_config()
     writer = DiskTransport(out_dir, hf_cfg, shard_bytes=shard_bytes,
                            quantization_config=recipe.hf_quantization_config() if dtype == "fp8" else None,
-                           collective=True)
+                           collective=True, record_hashes=False)
     try:
         writer.push(0, items)
     except BaseException:
@@ -126,7 +126,6 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         raise
     if not _rank0():
         return out_dir
-    os.remove(os.path.join(out_dir, "weight_hashes.json"))
     gen = {"bos_token_id": None, "eos_token_id": None, "do_sample": True, "transformers_version": None}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=1)

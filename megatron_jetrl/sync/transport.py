@@ -75,13 +75,15 @@ class DiskTransport:
 
     With ``collective=True`` every rank of the default process group calls ``push`` with its own
     share of the export (e.g. each pipeline stage's exporter its layers): each writes its own
-    shard files, rank 0 gathers the names and writes the index; no rank holds the whole model."""
+    shard files, rank 0 gathers the names and writes the index; no rank holds the whole model.
+    ``record_hashes=False`` (the converters) skips hashing every tensor and weight_hashes.json."""
 
     def __init__(self, out_dir: str, hf_config: dict, shard_bytes: int = 5 << 30,
                  quantization_config: Optional[dict] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 collective: bool = False):
+                 collective: bool = False, record_hashes: bool = True):
         self.out_dir, self.hf_config, self.shard_bytes = out_dir, hf_config, shard_bytes
         self.quantization_config, self.bucket_bytes = quantization_config, bucket_bytes
+        self.record_hashes = record_hashes
         self.collective = collective and dist.is_initialized() and dist.get_world_size() > 1
 
     def push(self, version: int, items: Iterable[tuple[str, torch.Tensor]]) -> dict:
@@ -112,7 +114,8 @@ class DiskTransport:
                 if size + n > self.shard_bytes:
                     flush()
                 shard[name] = t.detach().contiguous().cpu()
-                hashes[name] = tensor_hash(t)
+                if self.record_hashes:
+                    hashes[name] = tensor_hash(shard[name])
                 size += n
                 total += n
         flush()
@@ -124,7 +127,7 @@ class DiskTransport:
             self._finalize(tmp, version, shares)
         if self.collective:
             dist.barrier()
-        n_tensors = sum(len(h) for _, _, h, _ in shares)
+        n_tensors = sum(len(wm) for _, wm, _, _ in shares)
         return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": sum(t for *_, t in shares),
                 "sync_tensors": n_tensors}
 
@@ -144,8 +147,9 @@ class DiskTransport:
             cfg["quantization_config"] = self.quantization_config
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
-        with open(os.path.join(tmp, "weight_hashes.json"), "w") as f:
-            json.dump({"weight_version": version, "hashes": hashes}, f)
+        if self.record_hashes:
+            with open(os.path.join(tmp, "weight_hashes.json"), "w") as f:
+                json.dump({"weight_version": version, "hashes": hashes}, f)
         if os.path.exists(self.out_dir):
             shutil.rmtree(self.out_dir)
         os.replace(tmp, self.out_dir)
