@@ -23,18 +23,9 @@ import shutil
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron_jetrl.distributed import barrier, is_rank0
 from megatron_jetrl.trainer.checkpoint import read_model_config, write_model_config
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
@@ -60,20 +51,20 @@ def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = ()
     model, state = _build(model_cfg, list(parallel_overrides), dtype)
     tmp = out_dir.rstrip("/") + ".tmp"
     try:
-        load_hf_weights(model, model_cfg, hf_dir, state, progress=_rank0())
-        if _rank0():
+        load_hf_weights(model, model_cfg, hf_dir, state, progress=is_rank0())
+        if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        _barrier()
+        barrier()
         dist_checkpointing.save({"model": model.sharded_state_dict()}, tmp)
-        if _rank0():
+        if is_rank0():
             write_model_config(tmp, model_cfg)
             if os.path.exists(out_dir):
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
-        _barrier()
+        barrier()
     except BaseException:
-        if _rank0():
+        if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
@@ -112,7 +103,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     recipe = FP8Recipe()
     opts = ExportOptions(fp8=dtype == "fp8")
     items = iter_hf_tensors(model, model_cfg, opts)
-    if _rank0():
+    if is_rank0():
         items = tqdm(items, desc=f"megatron-to-hf ({dtype})", unit="tensor")
     hf_cfg = model_cfg.to_hf_config()
     writer = DiskTransport(out_dir, hf_cfg, shard_bytes=shard_bytes,
@@ -121,10 +112,10 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     try:
         writer.push(0, items)
     except BaseException:
-        if _rank0():
+        if is_rank0():
             shutil.rmtree(out_dir.rstrip("/") + ".tmp", ignore_errors=True)
         raise
-    if not _rank0():
+    if not is_rank0():
         return out_dir
     gen = {"bos_token_id": None, "eos_token_id": None, "do_sample": True, "transformers_version": None}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

@@ -51,6 +51,17 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def is_rank0() -> bool:
+    """Global rank 0, or no process group at all (a plain single process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when there is a process group; nothing otherwise."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

@@ -11,12 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_jetrl.rollout.base import Generation, SamplingParams, sample_next
-from megatron_jetrl.sync.transport import tensor_hash
-
-
-def is_fp8_payload(name: str, t: torch.Tensor) -> bool:
-    """The tensors the parity check covers: FP8 weights and their scales."""
-    return t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")
+from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
 
 class LocalEngine:

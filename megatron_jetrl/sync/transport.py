@@ -37,6 +37,11 @@ def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def is_fp8_payload(name: str, t: torch.Tensor) -> bool:
+    """The tensors the hand-over parity check covers: FP8 weights and their scales."""
+    return t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")
+
+
 def bucketize(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors in order into buckets of at most ``bucket_bytes``. A single tensor larger than
     that (an 8B model's 1 GB embedding vs the 512 MiB default) travels alone in its own bucket: the
@@ -61,8 +66,6 @@ class InProcessTransport:
         self.engine = engine
 
     def push(self, version: int, items: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        from megatron_jetrl.rollout.local import is_fp8_payload
-
         t0 = time.perf_counter()
         hashes = {name: tensor_hash(t) for name, t in items if is_fp8_payload(name, t)}
         out = self.engine.update_weights(version, hashes)

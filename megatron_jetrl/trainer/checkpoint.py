@@ -8,7 +8,8 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
+
+from megatron_jetrl.distributed import barrier, is_rank0
 
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -36,21 +37,16 @@ def read_model_config(ckpt_dir: str):
         return ModelConfig(**json.load(f))
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cfg=None) -> str:
     from megatron.core import dist_checkpointing
 
     final = os.path.join(ckpt_root, f"step_{step}")
     tmp = final + ".tmp"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_rank0()
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     model_sd = actor.module.sharded_state_dict()
     sharded = {"model": model_sd,
                "optimizer": actor.optimizer.sharded_state_dict(
@@ -69,7 +65,7 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
             f.write(f"step_{step}\n")
         os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
-    _barrier()
+    barrier()
     return final
 
 
