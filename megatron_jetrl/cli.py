@@ -32,6 +32,7 @@ def cmd_train(args) -> int:
         print(str(e), file=sys.stderr)
         return 2
     from megatron_jetrl.data.prompts import DataError
+    from megatron_jetrl.distributed import destroy_distributed
     from megatron_jetrl.models.hf_io import CheckpointError
     from megatron_jetrl.train import train
 
@@ -40,6 +41,8 @@ def cmd_train(args) -> int:
     except (ConfigError, CheckpointError, DataError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
+    finally:  # process groups torn down before interpreter exit (a live gloo group can abort the exit)
+        destroy_distributed()
     run_dir = cfg.logging.run_dir
     if args.plot:
         from megatron_jetrl.metrics.plot import plot_run

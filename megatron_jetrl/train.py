@@ -61,6 +61,8 @@ def setup(cfg: JetConfig) -> Run:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.hf_io import load_hf_weights
 
+    samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
+               else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))  # bad data fails before any process group
     init_distributed(cfg.parallel, cfg.seed)
     tok = load_tokenizer(cfg.model.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -75,8 +77,6 @@ def setup(cfg: JetConfig) -> Run:
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
     engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
                          model_cfg=cfg.model)
-    samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
-               else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))
     stream = PromptStream(samples, cfg.seed)
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
