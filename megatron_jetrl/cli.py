@@ -1,4 +1,4 @@
-"""``jetrl``: train | convert | plot | bench | mismatch. Each subcommand has --help."""
+"""``jetrl``: train | serve | convert | plot | bench | mismatch. Each subcommand has --help."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,16 @@ def cmd_train(args) -> int:
         print(f"curves: {plot_run(run_dir)}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from megatron_jetrl.distributed import destroy_distributed
+    from megatron_jetrl.rollout.server import serve
+
+    try:
+        return serve(args)
+    finally:
+        destroy_distributed()
 
 
 def cmd_plot(args) -> int:
@@ -106,6 +116,15 @@ def main(argv=None) -> int:
     c.add_argument("overrides", nargs="*", help="layout to run the conversion in (under torchrun): "
                                                 "parallel.tensor_parallel=2 parallel.pipeline_parallel=2 ...")
     c.set_defaults(fn=cmd_convert)
+
+    sv = sub.add_parser("serve", help="the in-process engine behind SGLang's HTTP endpoints (a rollout worker)",
+                        description="Serve an HF directory (BF16, or block FP8 with quantization_config) over "
+                                    "SGLang's RL endpoints: /generate, /update_weights_from_{disk,tensor,distributed}, "
+                                    "/release_memory_occupation, ... Binds 127.0.0.1 unless --host is given.")
+    from megatron_jetrl.rollout.server import add_serve_args
+
+    add_serve_args(sv)
+    sv.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -210,8 +210,9 @@ class ParallelConfig:
 class RolloutConfig:
     """Sampling."""
 
-    engine: Literal["local", "sglang"] = "local"
-    """``local``: in-process engine over the trainer's model; ``sglang``: a server fleet."""
+    engine: Literal["local", "serve", "sglang"] = "local"
+    """``local``: in-process engine over the trainer's model; ``serve``: a fleet of ``jetrl serve``
+    processes (the in-process engine behind SGLang's HTTP API); ``sglang``: a fleet of SGLang servers."""
     n_samples_per_prompt: int = 8
     """Group size for GRPO."""
     prompts_per_step: int = 8
@@ -224,9 +225,40 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    num_servers: int = 1
+    """Fleet: servers launched (ignored when ``server_addresses`` attaches to running ones)."""
+    server_addresses: list[str] = field(default_factory=list)
+    """Fleet: attach to these running servers (``http://host:port``) instead of launching."""
+    server_tp: int = 1
+    """Fleet: tensor-parallel size of each SGLang server."""
+    mem_fraction: float = 0.8
+    """SGLang ``--mem-fraction-static``."""
+    weight_transport: Literal["disk", "distributed", "tensor"] = "distributed"
+    """Fleet weight push: ``/update_weights_from_disk`` (HF dir in the run dir),
+    ``/update_weights_from_distributed`` (broadcast group: NCCL, gloo on CPU) or
+    ``/update_weights_from_tensor`` (buckets over HTTP)."""
+    bucket_mb: int = 512
+    """Fleet weight push bucket size."""
+    chunk_size: int = 64
+    """Fleet: prompts per ``/generate`` request (the unit that is retried on another server)."""
+    request_timeout_s: float = 600.0
+    """Fleet: seconds before a request counts as hung (the server is then restarted)."""
+    health_timeout_s: float = 900.0
+    """Fleet: seconds a launched server may take to become healthy."""
+    max_restarts: int = 3
+    """Fleet: restarts per server before the run fails."""
+    deterministic: bool = False
+    """SGLang ``--enable-deterministic-inference`` (batch-invariant kernels)."""
+    admin_api_key: Optional[str] = None
+    """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback."""
 
     def __post_init__(self):
-        _positive(self, "rollout", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens")
+        _positive(self, "rollout", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
+                  "server_tp", "bucket_mb", "chunk_size", "request_timeout_s", "health_timeout_s")
+        _check(0 < self.mem_fraction < 1, "rollout.mem_fraction", f"{self.mem_fraction} not in (0, 1)", "use e.g. 0.8")
+        for a in self.server_addresses:
+            _check(a.startswith(("http://", "https://")), "rollout.server_addresses", f"{a!r} is not a URL",
+                   "write http://host:port")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0", "use 0 for greedy")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"{self.top_p} not in (0, 1]", "use a value in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to disable")
@@ -277,6 +309,12 @@ class SchedulerConfig:
 
     mode: Literal["colocated", "disaggregated"] = "colocated"
     """Same GPUs, alternating (colocated) or separate pools (disaggregated)."""
+    offload_trainer: bool = True
+    """Colocated with a fleet: move the trainer's params, grads and optimizer state to host memory
+    during rollout (the servers release theirs during training)."""
+    async_rollout: bool = False
+    """Disaggregated: generate step t+1's rollouts (with the weights of step t) while step t trains;
+    the staleness is logged as ``rollout_staleness``."""
 
 
 @dataclass(kw_only=True)
@@ -359,11 +397,13 @@ class JetConfig:
         if m.is_moe:
             _check(m.moe_ffn_hidden_size % tp == 0, "parallel.tensor_parallel",
                    f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
-        # Declared in the tree for the fleet/cluster work, not built yet: refuse rather than ignore.
-        _check(self.rollout.engine == "local", "rollout.engine",
-               "the SGLang fleet is not implemented yet", "use rollout.engine=local")
-        _check(self.scheduler.mode == "colocated", "scheduler.mode",
-               "the disaggregated scheduler is not implemented yet", "use scheduler.mode=colocated")
+        _check(self.scheduler.mode == "colocated" or self.rollout.engine != "local", "scheduler.mode",
+               "disaggregated needs a server fleet", "set rollout.engine=serve or sglang")
+        _check(not self.scheduler.async_rollout or self.scheduler.mode == "disaggregated", "scheduler.async_rollout",
+               "one-step-ahead rollout needs separate rollout GPUs", "set scheduler.mode=disaggregated")
+        _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,
+               "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
+               "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
         _check(self.precision.backend != "te", "precision.backend",
                "the TransformerEngine backend is not implemented yet", "use auto, scaled_mm or emulated")
         _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",

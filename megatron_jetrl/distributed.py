@@ -69,3 +69,26 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_custom_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, timeout_s: float = 600.0):
+    """A process group outside the default one, between a trainer (rank 0) and rollout servers
+    (ranks ``rank_offset + tp_rank``), for ``/update_weights_from_distributed``.
+
+    Built the way SGLang's ``init_custom_process_group`` builds the servers' side (TCP rendezvous at
+    ``master_address:master_port``, a store prefixed with the group name, torch's process-group
+    helper, identity rank map), so the trainer's side here and a real SGLang server join the same
+    group. torch has no public API for a group that is not a subgroup of the default one; this is
+    the one place that reaches into ``distributed_c10d``."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg

@@ -33,13 +33,59 @@ class Run:
     cfg: JetConfig
     tokenizer: object
     actor: Actor
-    engine: LocalEngine
+    engine: object  # LocalEngine or rollout.sglang.RolloutFleet
     stream: PromptStream
     reward_fn: object
     logger: MetricsLogger | None
     sampling: SamplingParams
     start_step: int
     ckpt_dir: str
+    scheduler: object = None
+
+
+def export_options(cfg: JetConfig, recipe: FP8Recipe) -> ExportOptions:
+    """What the rollout receives: FP8 bytes + scales when it runs FP8; the other tensors in BF16
+    (SGLang) or the trainer's parameter dtype (in process, ``jetrl serve``)."""
+    dtype = torch.bfloat16 if cfg.rollout.engine == "sglang" else DTYPES[cfg.precision.params_dtype]
+    return ExportOptions(fp8=recipe.rollout_fp8, dtype=dtype)
+
+
+def disk_push(run: "Run", version: int, items) -> tuple[str, dict]:
+    """Write the rollout's weights as an HF directory in the run dir (every rank its share)."""
+    from megatron_jetrl.sync.transport import DiskTransport
+
+    recipe = run.actor.fp8_state.recipe
+    path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, "rollout", "weights"))
+    qc = recipe.hf_quantization_config() if recipe.rollout_fp8 else None
+    m = DiskTransport(path, run.cfg.model.to_hf_config(), quantization_config=qc, collective=True,
+                      bucket_bytes=run.cfg.rollout.bucket_mb << 20).push(version, items)
+    return path, m
+
+
+def start_fleet(cfg: JetConfig, recipe: FP8Recipe, model_dir: str):
+    """Rank 0 launches (or attaches to) the servers; every other rank attaches to the same URLs."""
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    urls = [None]
+    if is_rank0_global():
+        fleet = RolloutFleet(cfg, recipe, cfg.logging.run_dir, model_dir, cfg.scheduler.mode == "colocated",
+                             trainer_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        fleet.start()
+        urls = [fleet.urls]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(urls, src=0)
+    if not is_rank0_global():
+        import dataclasses
+
+        attached = dataclasses.replace(cfg.rollout, server_addresses=urls[0])
+        fleet = RolloutFleet(dataclasses.replace(cfg, rollout=attached), recipe, cfg.logging.run_dir, None, False)
+        for srv in fleet.servers:
+            srv.up = True
+    return fleet
+
+
+def is_rank0_global() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @contextmanager
@@ -75,8 +121,10 @@ def setup(cfg: JetConfig) -> Run:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps + cfg.algo.sft_warmup_steps
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
-    engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
-                         model_cfg=cfg.model)
+    engine = None
+    if cfg.rollout.engine == "local":
+        engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
+                             model_cfg=cfg.model)
     stream = PromptStream(samples, cfg.seed)
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -95,18 +143,19 @@ def setup(cfg: JetConfig) -> Run:
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, resume_step) if is_logging_rank() else None
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                               cfg.rollout.top_k, (tok.eos_id,))
-    return Run(cfg, tok, actor, engine, stream, get_reward(cfg.data.reward), logger, sampling, start, ckpt_dir)
+    run = Run(cfg, tok, actor, engine, stream, get_reward(cfg.data.reward), logger, sampling, start, ckpt_dir)
+    if engine is None:  # a fleet starts from the trainer's current weights, written to the run dir
+        model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
+        run.engine = start_fleet(cfg, recipe, model_dir)
+    from megatron_jetrl.scheduler import make_scheduler
+
+    run.scheduler = make_scheduler(run)
+    return run
 
 
 def encode_prompt(tok, sample: Sample) -> list[int]:
     ids = tok.encode(sample.prompt)
     return ([tok.bos_id] + ids) if tok.bos_id is not None else ids
-
-
-def generate_rollouts(run: Run, samples: list[Sample]):
-    n = run.cfg.rollout.n_samples_per_prompt
-    prompts = [encode_prompt(run.tokenizer, s) for s in samples for _ in range(n)]
-    return prompts, run.engine.generate(prompts, run.sampling)
 
 
 def score(run: Run, samples: list[Sample], gens) -> torch.Tensor:
@@ -120,10 +169,28 @@ def hand_over_weights(run: Run, version: int) -> dict:
     when the rollout is FP8) and hand them over; the receiver checks the hashes (every
     ``logging.parity_interval`` steps)."""
     every = run.cfg.logging.parity_interval
-    if not every or version % every:
-        return run.engine.update_weights(version, None)
-    opts = ExportOptions(fp8=run.actor.fp8_state.recipe.rollout_fp8)
-    return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
+    check = bool(every) and version % every == 0
+    opts = export_options(run.cfg, run.actor.fp8_state.recipe)
+    if not hasattr(run.engine, "push_weights"):
+        if not check:
+            return run.engine.update_weights(version, None)
+        return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
+    # Fleet: rank 0 restarts dead servers, then every rank takes part in the export (TP gathers,
+    # per-stage disk shards); rank 0 sends.
+    fleet, items = run.engine, iter_hf_tensors(run.actor.module, run.cfg.model, opts)
+    m = {}
+    if is_rank0_global():
+        fleet.heal()
+        m = fleet.push_weights(version, items, check, lambda v, it: disk_push(run, v, it))
+        m.update(fleet.metrics)
+    elif run.cfg.rollout.weight_transport == "disk":
+        disk_push(run, version, items)
+    else:
+        for _ in items:
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+    return m
 
 
 def _dp() -> tuple[int, int]:
@@ -160,11 +227,9 @@ def reduce_over_dp(m: dict) -> dict:
 
 def rl_step(run: Run, step: int) -> dict:
     m: dict = {}
-    rank, dp = _dp()
-    run.engine.generator.manual_seed(run.cfg.seed + step * dp + rank)  # per step and DP rank: a resumed run samples the same
-    samples = my_prompts(run, run.cfg.rollout.prompts_per_step)
     with timed(m, "rollout"):
-        prompts, gens = generate_rollouts(run, samples)
+        samples, prompts, gens, sched = run.scheduler.rollout(step)
+    m.update(sched)
     rewards = score(run, samples, gens)
     adv = L.grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt)
     batch = build_batch(prompts, [g.output_ids for g in gens], [g.output_logprobs for g in gens], adv,
@@ -174,7 +239,7 @@ def rl_step(run: Run, step: int) -> dict:
     with timed(m, "train"):
         m.update(run.actor.train_step(batch))
     with timed(m, "weight_sync"):
-        m.update(hand_over_weights(run, step + 1))
+        m.update(run.scheduler.hand_over(step + 1))
     lengths = torch.tensor([len(g.output_ids) for g in gens], dtype=torch.float)
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std(), response_length_mean=lengths.mean(),
              response_length_max=lengths.max(), tokens_per_s=lengths.sum() / m["time_rollout"], is_rl=1.0)
@@ -192,15 +257,28 @@ def sft_step(run: Run) -> dict:
     m = {}
     with timed(m, "train"):
         m.update(run.actor.sft_step(batch))
-    m.update(run.engine.update_weights(run.actor.steps, None), is_rl=0.0)
+    if not hasattr(run.engine, "push_weights"):
+        m.update(run.engine.update_weights(run.actor.steps, None))
+    elif run.actor.steps == run.cfg.algo.sft_warmup_steps:  # a fleet gets the weights once, before RL
+        m.update(run.scheduler.hand_over(run.actor.steps))
+    m["is_rl"] = 0.0
     return reduce_over_dp(m)
 
 
 def train(cfg: JetConfig) -> Run:
     """Run ``cfg.algo.sft_warmup_steps`` supervised steps then ``cfg.steps`` RL steps."""
+    run = setup(cfg)
+    try:
+        _loop(run)
+    finally:
+        close(run)
+    return run
+
+
+def _loop(run: Run) -> None:
     from tqdm import tqdm
 
-    run = setup(cfg)
+    cfg = run.cfg
     total = cfg.algo.sft_warmup_steps + cfg.steps
     bar = tqdm(range(run.start_step, total), initial=run.start_step, total=total, desc="jetrl",
                disable=not is_logging_rank())
@@ -212,7 +290,14 @@ def train(cfg: JetConfig) -> Run:
                          if k in metrics})
         last = step == total - 1
         if last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0):
-            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.stream.state_dict()}, cfg.model)
+            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
+
+
+def close(run: Run) -> None:
+    """Stop the scheduler's background work and the fleet's servers; close the logger."""
+    if run.scheduler is not None:
+        run.scheduler.close()
+    if hasattr(run.engine, "shutdown"):
+        run.engine.shutdown()
     if run.logger:
         run.logger.close()
-    return run

@@ -22,6 +22,40 @@ class CheckpointError(ValueError):
     """A missing or inconsistent checkpoint file/tensor; one line naming it and the fix."""
 
 
+def _get_dequantized(self, name: str) -> torch.Tensor:
+    """The tensor, dequantized to float32 when stored in block FP8."""
+    t = self.raw(name)
+    if t.dtype == torch.float8_e4m3fn:
+        from megatron_jetrl.precision.quant import dequantize_blocks
+
+        scale = self.raw(name + "_scale_inv")
+        br = -(-t.shape[0] // scale.shape[0])
+        bc = -(-t.shape[1] // scale.shape[1])
+        t = dequantize_blocks(t, scale.float(), br, bc)
+    return t
+
+
+class TensorDict:
+    """An in-memory set of HF-named tensors with the reader interface of ``HFCheckpoint`` (what a
+    rollout server receives over a bucket or a broadcast)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], origin: str = "update"):
+        self.tensors, self.path = tensors, origin
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"checkpoint error: tensor {name!r} missing from the {self.path}; send every tensor")
+        return self.tensors[name]
+
+    get = _get_dequantized
+
+
 class HFCheckpoint:
     """Lazy reader over an HF directory's safetensors (single file or sharded with an index)."""
 
@@ -65,17 +99,7 @@ class HFCheckpoint:
                                   "the checkpoint does not match model_type/num_layers of config.json")
         return self._open[self.weight_map[name]].get_tensor(name)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, dequantized to float32 when stored in block FP8."""
-        t = self.raw(name)
-        if t.dtype == torch.float8_e4m3fn:
-            from megatron_jetrl.precision.quant import dequantize_blocks
-
-            scale = self.raw(name + "_scale_inv")
-            br = -(-t.shape[0] // scale.shape[0])
-            bc = -(-t.shape[1] // scale.shape[1])
-            t = dequantize_blocks(t, scale.float(), br, bc)
-        return t
+    get = _get_dequantized
 
 
 def global_name(local: str, model, ep_rank: int, experts_per_rank: int) -> str:
@@ -103,15 +127,22 @@ def named_global_params(model, model_cfg) -> Iterator[tuple[str, str, torch.nn.P
 
 
 @torch.no_grad()
-def load_hf_weights(model, model_cfg, hf_dir: str, fp8_state=None, progress: bool = False) -> int:
-    """Load an HF checkpoint into this rank's shard of ``model``; returns tensors loaded."""
+def load_hf_weights(model, model_cfg, hf_dir, fp8_state=None, progress: bool = False) -> int:
+    """Load an HF checkpoint (a directory, or an ``HFCheckpoint``/``TensorDict``) into this rank's
+    shard of ``model``; returns tensors loaded.
+
+    Block-FP8 tensors are dequantized into the parameters; in addition, when the model runs FP8
+    rollout (``fp8_state``) and the source carries a linear's FP8 bytes, those exact bytes and
+    scales are installed in its FP8 weight cache (world size 1: a rollout server), so the engine
+    runs what the trainer sent, not a re-quantization of it."""
     from megatron.core import parallel_state
 
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = hf_dir if hasattr(hf_dir, "raw") else HFCheckpoint(hf_dir)
     rules = hf_mapping.table(model_cfg.model_type)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    n = 0
+    modules = dict(model.named_modules())
+    n, exact = 0, []
     params = named_global_params(model, model_cfg)
     if progress:
         from tqdm import tqdm
@@ -129,6 +160,13 @@ def load_hf_weights(model, model_cfg, hf_dir: str, fp8_state=None, progress: boo
                 f"model expects {tuple(param.shape)}; config.json and the weights disagree")
         param.copy_(shard.to(param.dtype))
         n += 1
+        module = modules.get(local.rsplit(".", 1)[0])
+        if (fp8_state is not None and fp8_state.recipe.rollout_fp8 and tp == 1 and rule.fp8
+                and getattr(module, "fp8_cache", None) is not None
+                and all(ckpt.raw(h).dtype == torch.float8_e4m3fn for h in names)):
+            exact.append((module, [(ckpt.raw(h), ckpt.raw(h[: -len(".weight")] + ".weight_scale_inv")) for h in names]))
     if fp8_state is not None:
         fp8_state.bump()
+        for module, parts in exact:
+            module.fp8_cache.install(parts, fp8_state, module.weight.device)
     return n

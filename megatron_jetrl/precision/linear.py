@@ -84,6 +84,18 @@ class FP8WeightCache:
         self.version = state.version
         self.refreshes += 1
 
+    @torch.no_grad()
+    def install(self, parts: list[tuple[torch.Tensor, torch.Tensor]], state: FP8ModelState,
+                device: torch.device) -> None:
+        """Take received FP8 bytes + scales (per logical sub-matrix, rollout layout) as this
+        version's cache instead of quantizing the weight (a rollout server runs what it was sent)."""
+        for (q, s), rows in zip(parts, self.sub_rows):
+            if q.shape[0] != rows or s.shape[0] != -(-rows // self.block_rows):
+                raise ValueError(f"FP8 part of {rows} rows expected, got fp8 {tuple(q.shape)} / scale {tuple(s.shape)}")
+        self.qweight = torch.cat([q for q, _ in parts], 0).to(device)
+        self.scale_inv = torch.cat([s for _, s in parts], 0).to(device, torch.float32)
+        self.version = state.version
+
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (fp8, scale_inv) of each logical sub-matrix (q, k, v / gate, up), rollout layout."""
         out, row, srow = [], 0, 0

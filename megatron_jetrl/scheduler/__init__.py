@@ -1,1 +1,135 @@
-"""scheduler."""
+"""How rollout and training share the hardware: ``scheduler.mode`` picks one.
+
+Both expose ``rollout(step) -> (samples, prompts, generations, metrics)`` and
+``hand_over(version) -> metrics`` (called after each optimizer step), so the RL step in
+``train.py`` does not know which one runs.
+
+- ``Colocated``: engines and trainer on the same GPUs, alternating. With the in-process engine
+  nothing moves (it runs the trainer's own model and FP8 cache). With a fleet the trainer's
+  params, grads and optimizer state go to host memory for the rollout (``Actor.offload``) and the
+  servers release theirs for training (``/release_memory_occupation``); weights are pushed after
+  the servers resumed.
+- ``Disaggregated``: separate pools; weights go over the fleet's transport (a broadcast group by
+  default). With ``async_rollout`` the fleet generates step t+1's samples with the weights of step
+  t while step t trains; ``rollout_staleness`` logs how many optimizer steps old the samples are.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def _cuda_gb() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+class _Base:
+    def __init__(self, run):
+        self.run = run
+
+    def draw(self, step: int):
+        from megatron_jetrl.train import encode_prompt, my_prompts
+
+        run = self.run
+        samples = my_prompts(run, run.cfg.rollout.prompts_per_step)
+        n = run.cfg.rollout.n_samples_per_prompt
+        return samples, [encode_prompt(run.tokenizer, s) for s in samples for _ in range(n)]
+
+    def _generate(self, step: int, prompts):
+        from megatron_jetrl.train import _dp
+
+        run = self.run
+        rank, dp = _dp()
+        seed = run.cfg.seed + step * dp + rank  # per step and DP rank: a resumed run samples the same
+        if hasattr(run.engine, "push_weights"):
+            return run.engine.generate(prompts, run.sampling, seed=seed * 1009)
+        run.engine.generator.manual_seed(seed)
+        return run.engine.generate(prompts, run.sampling)
+
+    def stream_state(self) -> dict:
+        return self.run.stream.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+class Colocated(_Base):
+    def rollout(self, step: int):
+        run, m = self.run, {}
+        samples, prompts = self.draw(step)
+        fleet = hasattr(run.engine, "push_weights")
+        if fleet and run.cfg.scheduler.offload_trainer:
+            m["mem_trainer_gb"] = _cuda_gb()
+            m["trainer_offloaded_gb"] = run.actor.offload() / 2**30
+            m["mem_after_offload_gb"] = _cuda_gb()
+        gens = self._generate(step, prompts)
+        if fleet:
+            run.engine.release_memory()
+            if run.cfg.scheduler.offload_trainer:
+                run.actor.reload()
+            m.update(run.engine.metrics)
+        return samples, prompts, gens, m
+
+    def hand_over(self, version: int) -> dict:
+        from megatron_jetrl.train import hand_over_weights
+
+        run = self.run
+        if hasattr(run.engine, "push_weights"):
+            run.engine.resume_memory()
+        return hand_over_weights(run, version)
+
+
+class Disaggregated(_Base):
+    def __init__(self, run):
+        super().__init__(run)
+        self.pool = ThreadPoolExecutor(1) if run.cfg.scheduler.async_rollout else None
+        self.ahead: Future | None = None
+        self._stream_before_ahead: dict | None = None
+
+    def _launch(self, step: int):
+        samples, prompts = self.draw(step)
+        return samples, prompts, self._generate(step, prompts)
+
+    def rollout(self, step: int):
+        run = self.run
+        if self.pool is None:
+            samples, prompts, gens = self._launch(step)
+            return samples, prompts, gens, dict(run.engine.metrics)
+        t0 = time.perf_counter()
+        if self.ahead is None:  # first step (or after a resume): nothing in flight yet
+            self._stream_before_ahead = run.stream.state_dict()
+            self.ahead = self.pool.submit(self._launch, step)
+        samples, prompts, gens = self.ahead.result()
+        m = {"rollout_wait_s": time.perf_counter() - t0, **run.engine.metrics}
+        # Next step's rollout runs on the fleet (with the weights it has now) while this one trains.
+        self._stream_before_ahead = run.stream.state_dict()
+        self.ahead = self.pool.submit(self._launch, step + 1)
+        m["rollout_staleness"] = float(step - min(g.weight_version for g in gens))  # weights of step v = v updates
+        return samples, prompts, gens, m
+
+    def hand_over(self, version: int) -> dict:
+        from megatron_jetrl.train import hand_over_weights
+
+        if self.ahead is not None:
+            self.ahead.result()  # the fleet finishes the in-flight rollout before its weights change
+        return hand_over_weights(self.run, version)
+
+    def stream_state(self) -> dict:
+        # A checkpoint must not skip the prompts drawn for the rollout in flight: save the position
+        # before they were drawn, so a resumed run draws (and trains on) them again.
+        return self._stream_before_ahead if self.ahead is not None else self.run.stream.state_dict()
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            try:
+                self.ahead.result()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def make_scheduler(run):
+    return (Disaggregated if run.cfg.scheduler.mode == "disaggregated" else Colocated)(run)

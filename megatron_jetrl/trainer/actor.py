@@ -140,10 +140,25 @@ class Actor:
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.steps = 0
         self.ref_model = None
+        self._offloader = None
 
     @property
     def module(self):
         return self.model.module
+
+    # -- colocated scheduling: give the device to the rollout engine and take it back ---------------
+    def offload(self) -> int:
+        """Move parameters, gradient buffers, optimizer state and the FP8 cache to host memory;
+        returns bytes released. Every tensor stays the same object (see ``memory.Offloader``)."""
+        from megatron_jetrl.memory import Offloader, model_tensors, optimizer_tensors
+
+        buffers = [b for bufs in (getattr(self.model, "buffers", []), getattr(self.model, "expert_parallel_buffers", []))
+                   for buf in bufs for b in (buf.param_data, buf.grad_data) if b is not None]
+        self._offloader = Offloader(model_tensors(self.module) + buffers + optimizer_tensors(self.optimizer))
+        return self._offloader.offload()
+
+    def reload(self) -> int:
+        return self._offloader.reload() if self._offloader is not None else 0
 
     # -- forward passes ---------------------------------------------------------------------------
     def compute_logprobs(self, batch: RLBatch, model=None) -> Optional[torch.Tensor]:

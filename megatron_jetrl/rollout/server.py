@@ -1,0 +1,487 @@
+"""``jetrl serve``: the in-process engine behind SGLang's HTTP endpoints (the subset RL uses).
+
+A CPU or single-GPU user runs rollout workers as separate processes with it, and CI runs the
+fleet client and the schedulers over real HTTP against it. Request and response shapes follow
+SGLang's ``io_struct`` request classes and ``http_server`` routes (tests check the field names
+against SGLang's source); what differs is stated here:
+
+- ``/generate`` takes ``input_ids`` only (no tokenizer on the server) and returns the sampler's
+  per-token logprobs (``softmax(logits / temperature)``, the trainer's definition).
+- Weight updates are applied whole or not at all. Buckets of one update (same ``weight_version``)
+  are staged until every tensor of the model has arrived, validated (names, shapes, dtypes), then
+  swapped in under the engine lock; a bad bucket drops the staged update and answers 400, and
+  ``weight_version`` names the weights actually served. Block-FP8 tensors are installed as the
+  exact bytes + scales received (no re-quantization).
+- ``/update_weights_from_tensor`` takes ``load_format="jetrl_safetensors"``: each element of
+  ``serialized_named_tensors`` is base64 safetensors bytes (SGLang's own format carries CUDA IPC
+  handles, which only work between processes on one GPU host).
+- ``/jetrl/weight_hashes``: hashes of the FP8 bytes + scales it runs with, for the sender's parity
+  check. ``/server_info`` carries a ``jetrl`` block (memory released, resident bytes).
+
+Safety: binds 127.0.0.1 unless ``--host`` says otherwise; bound elsewhere it refuses to start
+without ``--admin-api-key``, which then guards every endpoint but ``/generate`` and the health and
+info GETs (``Authorization: Bearer <key>``, as SGLang's ``--admin-api-key``); bodies are
+size-limited (413) and validated (400 with a one-line reason).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+log = logging.getLogger("jetrl.serve")
+
+# Request fields accepted per endpoint: the names of SGLang's io_struct request classes (a test
+# checks each set against SGLang's source). Fields SGLang has and we ignore are listed too.
+REQUEST_FIELDS = {
+    "/generate": ("GenerateReqInput", {"rid", "input_ids", "sampling_params", "return_logprob",
+                                      "logprob_start_len", "stream", "text"}),
+    "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput", {
+        "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
+        "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache"}),
+    "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput", {
+        "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
+        "torch_empty_cache"}),
+    "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput", {
+        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}),
+    "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput", {
+        "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+        "load_format", "torch_empty_cache"}),
+    "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", {"group_name"}),
+    "/pause_generation": ("PauseGenerationReqInput", {"mode"}),
+    "/continue_generation": ("ContinueGenerationReqInput", {"torch_empty_cache"}),
+    "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", {"tags"}),
+    "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags"}),
+    "/slow_down": ("SlowDownReqInput", {"forward_sleep_time"}),
+}
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
+                   "skip_special_tokens", "no_stop_trim"}
+OPEN_ENDPOINTS = {"/generate", "/health", "/health_generate", "/model_info", "/get_model_info",
+                  "/server_info", "/get_server_info", "/get_weight_version", "/ready"}
+_TOP_K_ALL = 1 << 30  # SGLang's "top_k off"
+
+
+class RequestError(Exception):
+    """A bad request: answered with ``status`` and this one-line message."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST):
+        super().__init__(message)
+        self.status = status
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise RequestError(message)
+
+
+def _is_int_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+class ServeEngine:
+    """The model, the engine over it, and the weight-update state machine."""
+
+    def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto"):
+        from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
+        from megatron_jetrl.distributed import init_distributed
+        from megatron_jetrl.models.builder import DTYPES, build_model
+        from megatron_jetrl.models.hf_io import load_hf_weights
+        from megatron_jetrl.precision.recipe import FP8Recipe
+        from megatron_jetrl.rollout.local import LocalEngine
+        from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+
+        with open(os.path.join(model_path, "config.json")) as f:
+            qc = json.load(f).get("quantization_config") or {}
+        mode = "fp8_rollout" if qc.get("quant_method") == "fp8" else "bf16"
+        self.precision = PrecisionConfig(mode=mode, scale_fmt=qc.get("scale_fmt", "fp32"), backend=backend,
+                                         params_dtype=params_dtype)
+        self.model_cfg = ModelConfig(hf_path=model_path)
+        self.model_path = model_path
+        init_distributed(ParallelConfig(), seed)
+        self.recipe = FP8Recipe.from_config(self.precision)
+        self.dtype = DTYPES[params_dtype]
+        self.model, self.fp8_state = build_model(self.model_cfg, ParallelConfig(), self.recipe, self.dtype, backend)
+        load_hf_weights(self.model, self.model_cfg, model_path, self.fp8_state)
+        self.engine = LocalEngine(self.model, self.fp8_state, pad_id=0, seed=seed,
+                                  vocab_size=self.model_cfg.vocab_size, model_cfg=self.model_cfg)
+        self.export_opts = ExportOptions(fp8=self.recipe.rollout_fp8, dtype=self.dtype)
+        # What a complete update carries: every tensor the rollout runs with, by HF name.
+        self.manifest = {n: (tuple(t.shape), t.dtype) for n, t in iter_hf_tensors(self.model, self.model_cfg, self.export_opts)}
+        self.weight_version = "0"
+        self.lock = threading.RLock()          # generation and weight swaps never interleave
+        self.running = threading.Event()
+        self.running.set()                     # cleared by /pause_generation
+        self.staged: dict[str, torch.Tensor] = {}
+        self.staged_version: str | None = None
+        self.groups: dict[str, Any] = {}
+        self.offloader = None
+        self.sleep_s = 0.0
+        self.served = 0
+        self.last_parity: dict = {}
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(self, body: dict) -> Any:
+        from megatron_jetrl.rollout.base import SamplingParams
+
+        _need(body.get("text") is None, "text: jetrl serve takes token ids; send input_ids")
+        _need(not body.get("stream"), "stream: not supported by jetrl serve; send stream=false")
+        ids = body.get("input_ids")
+        single = _is_int_list(ids) and len(ids) > 0
+        _need(single or (isinstance(ids, list) and len(ids) > 0 and all(_is_int_list(p) and p for p in ids)),
+              "input_ids: need a non-empty list of token ids or a list of such lists")
+        prompts = [ids] if single else ids
+        _need(all(0 <= t < self.model_cfg.vocab_size for p in prompts for t in p),
+              f"input_ids: token ids must be in [0, {self.model_cfg.vocab_size})")
+        sp = body.get("sampling_params") or {}
+        _need(isinstance(sp, dict), "sampling_params: one dict for the whole batch")
+        unknown = set(sp) - SAMPLING_FIELDS
+        if unknown:
+            raise RequestError(f"sampling_params.{sorted(unknown)[0]}: not supported by jetrl serve; "
+                               f"use {', '.join(sorted(SAMPLING_FIELDS))}")
+        top_k = int(sp.get("top_k", 0) or 0)
+        params = SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                                temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+                                top_k=0 if top_k in (-1, _TOP_K_ALL) else top_k,
+                                stop_token_ids=tuple(sp.get("stop_token_ids") or ()))
+        _need(params.max_new_tokens >= 1, "sampling_params.max_new_tokens: must be >= 1")
+        _need(params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0,
+              "sampling_params: temperature >= 0, 0 < top_p <= 1, top_k >= 0 (or -1)")
+        _need(len(prompts[0]) + params.max_new_tokens <= self.model_cfg.max_position_embeddings,
+              f"max_new_tokens: prompt + new tokens exceed the model's {self.model_cfg.max_position_embeddings} positions")
+        deadline = time.monotonic() + 600
+        while not self.running.wait(0.05):  # paused: wait for /continue_generation (in_place semantics)
+            if time.monotonic() > deadline:
+                raise RequestError("generation paused for 600 s; call /continue_generation", HTTPStatus.SERVICE_UNAVAILABLE)
+        with self.lock:
+            if self.offloader is not None and self.offloader.offloaded:
+                raise RequestError("memory released: call /resume_memory_occupation first", HTTPStatus.SERVICE_UNAVAILABLE)
+            if self.sleep_s:
+                time.sleep(self.sleep_s)
+            if sp.get("sampling_seed") is not None:
+                self.engine.generator.manual_seed(int(sp["sampling_seed"]))
+            gens = self.engine.generate(prompts, params)
+            version = self.weight_version
+            self.served += 1
+        rid = body.get("rid")
+        out = []
+        for i, g in enumerate(gens):
+            finish = ({"type": "stop", "matched": g.output_ids[-1]} if g.finish_reason == "stop"
+                      else {"type": "length", "length": len(g.output_ids)})
+            meta = {"id": (rid[i] if isinstance(rid, list) else f"{rid or 'req'}-{i}"), "finish_reason": finish,
+                    "prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.output_ids),
+                    "weight_version": version}
+            if body.get("return_logprob"):
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(g.output_logprobs, g.output_ids)]
+            out.append({"text": "", "output_ids": g.output_ids, "meta_info": meta})
+        return out[0] if single else out
+
+    # -- weight updates: stage, validate, swap whole ----------------------------------------------
+    def stage(self, tensors: dict[str, torch.Tensor], version: str | None) -> dict:
+        """Add received tensors to the pending update; apply it once complete. Returns a response."""
+        version = str(version) if version is not None else str(int(self.weight_version) + 1
+                                                              if self.weight_version.isdigit() else self.weight_version)
+        if self.staged_version != version:
+            if self.staged:
+                log.warning("dropping an incomplete update (version %s, %d/%d tensors) for version %s",
+                            self.staged_version, len(self.staged), len(self.manifest), version)
+            self.staged, self.staged_version = {}, version
+        try:
+            for name, t in tensors.items():
+                if name not in self.manifest:
+                    raise RequestError(f"{name}: not a tensor of this model; send the rollout's HF names")
+                shape, dtype = self.manifest[name]
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise RequestError(f"{name}: got {tuple(t.shape)} {t.dtype}, the model needs {shape} {dtype}")
+        except RequestError:
+            self.staged, self.staged_version = {}, None
+            raise
+        self.staged.update(tensors)
+        missing = len(self.manifest) - len(self.staged)
+        if missing:
+            return {"success": True, "message": f"staged {len(self.staged)}/{len(self.manifest)} tensors of version {version}"}
+        self._apply(self.staged, version)
+        self.staged, self.staged_version = {}, None
+        return {"success": True, "message": f"weights updated to version {version}"}
+
+    def _apply(self, tensors: dict[str, torch.Tensor], version: str) -> None:
+        from megatron_jetrl.models.hf_io import TensorDict, load_hf_weights
+
+        with self.lock:
+            _need(self.offloader is None or not self.offloader.offloaded,
+                  "memory released: call /resume_memory_occupation (tags weights) before updating weights")
+            load_hf_weights(self.model, self.model_cfg, TensorDict(tensors), self.fp8_state)
+            self.weight_version = version
+            self.engine.weight_version = int(version) if version.isdigit() else self.engine.weight_version
+
+    def fp8_hashes(self) -> dict:
+        with self.lock:
+            return self.engine.fp8_hashes()
+
+    def update_from_disk(self, body: dict) -> dict:
+        from megatron_jetrl.models.hf_io import CheckpointError, HFCheckpoint
+        from megatron_jetrl.sync.transport import verify_disk
+
+        path = body.get("model_path")
+        _need(isinstance(path, str) and os.path.isdir(path), f"model_path: {path!r} is not a directory")
+        try:
+            ckpt = HFCheckpoint(path)
+            missing = [n for n in self.manifest if n not in ckpt]
+            if missing:
+                raise RequestError(f"model_path: {missing[0]} missing from {path} ({len(missing)} tensors missing)")
+            tensors = {n: ckpt.raw(n) for n in self.manifest}
+        except CheckpointError as e:
+            raise RequestError(str(e)) from None
+        if os.path.isfile(os.path.join(path, "weight_hashes.json")):
+            self.last_parity = verify_disk(path)
+            _need(self.last_parity["parity_mismatch"] == 0,
+                  f"model_path: {self.last_parity['parity_mismatch']} tensors differ from weight_hashes.json")
+        version = body.get("weight_version")
+        self.staged, self.staged_version = {}, None
+        return self.stage(tensors, version)
+
+    def update_from_tensor(self, body: dict) -> dict:
+        from safetensors.torch import load as st_load
+
+        _need(body.get("load_format") == "jetrl_safetensors",
+              "load_format: jetrl serve takes 'jetrl_safetensors' (base64 safetensors bytes per element)")
+        items = body.get("serialized_named_tensors")
+        _need(isinstance(items, list) and items and all(isinstance(x, str) for x in items),
+              "serialized_named_tensors: a non-empty list of base64 strings")
+        tensors = {}
+        try:
+            for x in items:
+                tensors.update(st_load(base64.b64decode(x, validate=True)))
+        except Exception as e:  # noqa: BLE001 - any decoding problem is the client's
+            raise RequestError(f"serialized_named_tensors: not base64 safetensors ({type(e).__name__})") from None
+        return self.stage(tensors, body.get("weight_version"))
+
+    def init_group(self, body: dict) -> dict:
+        from megatron_jetrl.distributed import init_custom_group
+
+        for k in ("master_address", "master_port", "rank_offset", "world_size"):
+            _need(k in body, f"{k}: required")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            backend = "gloo"  # CPU server: the same protocol over gloo
+        self.groups[name] = init_custom_group(backend, body["master_address"], int(body["master_port"]),
+                                              rank=int(body["rank_offset"]), world_size=int(body["world_size"]),
+                                              group_name=name)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> dict:
+        import torch.distributed as dist
+
+        name = body.get("group_name", "weight_update_group")
+        _need(name in self.groups, f"group_name: no group {name!r}")
+        dist.destroy_process_group(self.groups.pop(name))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_from_distributed(self, body: dict) -> dict:
+        import torch.distributed as dist
+
+        from megatron_jetrl.sync.sglang_bucket import sglang_bucket_class
+
+        name = body.get("group_name", "weight_update_group")
+        _need(name in self.groups, f"group_name: no group {name!r}; call /init_weights_update_group first")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        _need(isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+              and len(names) == len(dtypes) == len(shapes) and names, "names, dtypes, shapes: equal-length non-empty lists")
+        try:
+            torch_dtypes = [getattr(torch, d) for d in dtypes]
+            _need(all(isinstance(d, torch.dtype) for d in torch_dtypes), "dtypes: torch dtype names")
+        except AttributeError as e:
+            raise RequestError(f"dtypes: {e}") from None
+        group, dev = self.groups[name], torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        # Receive first (the sender is already broadcasting), validate after.
+        if body.get("load_format") == "flattened_bucket":
+            bucket = sglang_bucket_class().empty(names, torch_dtypes, shapes, dev)
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+            received = dict(bucket.reconstruct_tensors())
+        else:
+            received = {}
+            for n, d, s in zip(names, torch_dtypes, shapes):
+                t = torch.empty(s, dtype=d, device=dev)
+                dist.broadcast(t, src=0, group=group)
+                received[n] = t
+        return self.stage({k: v.cpu() for k, v in received.items()}, body.get("weight_version"))
+
+    # -- memory --------------------------------------------------------------------------------------
+    def release(self, body: dict) -> dict:
+        from megatron_jetrl.memory import Offloader, model_tensors
+
+        with self.lock:
+            if self.offloader is None or not self.offloader.offloaded:
+                self.offloader = Offloader(model_tensors(self.model))
+                n = self.offloader.offload()
+                return {"success": True, "message": f"released {n} bytes"}
+        return {"success": True, "message": "already released"}
+
+    def resume(self, body: dict) -> dict:
+        with self.lock:
+            n = self.offloader.reload() if self.offloader is not None else 0
+        return {"success": True, "message": f"resumed {n} bytes"}
+
+    def resident_bytes(self) -> int:
+        from megatron_jetrl.memory import model_tensors
+
+        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in model_tensors(self.model)}.values())
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # into the server log, not stderr noise per request
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, payload: Any, text: bool = False) -> None:
+            data = payload.encode() if text else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _path(self) -> str:
+            return self.path.split("?", 1)[0]
+
+        def _authorized(self, path: str) -> bool:
+            if not admin_key or path in OPEN_ENDPOINTS:
+                return True
+            return self.headers.get("Authorization", "") == f"Bearer {admin_key}"
+
+        def _body(self, path: str) -> dict:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n > max_body:
+                self.close_connection = True
+                raise RequestError(f"request body of {n} bytes exceeds the {max_body}-byte limit "
+                                   "(--max-body-mb); send smaller buckets", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            raw = self.rfile.read(n) if n else b""
+            if not raw:
+                return {}
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"body: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+            if not isinstance(body, dict):
+                raise RequestError("body: a JSON object is required")
+            if path in REQUEST_FIELDS:
+                allowed = REQUEST_FIELDS[path][1]
+                unknown = sorted(set(body) - allowed)
+                if unknown:
+                    raise RequestError(f"{unknown[0]}: unknown field for {path}; allowed: {', '.join(sorted(allowed))}")
+            return body
+
+        def _dispatch(self, method: str) -> None:
+            path = self._path()
+            try:
+                if not self._authorized(path):
+                    raise RequestError(f"{path} needs 'Authorization: Bearer <admin key>'", HTTPStatus.UNAUTHORIZED)
+                body = self._body(path) if method == "POST" else {}
+                routes = {
+                    "/health": lambda: "", "/health_generate": lambda: "", "/ready": lambda: "",
+                    "/generate": lambda: state.generate(body),
+                    "/model_info": self._model_info, "/get_model_info": self._model_info,
+                    "/get_weight_version": lambda: {"weight_version": state.weight_version},
+                    "/server_info": self._server_info, "/get_server_info": self._server_info,
+                    "/update_weights_from_disk": lambda: {**state.update_from_disk(body), "num_paused_requests": 0},
+                    "/update_weights_from_tensor": lambda: state.update_from_tensor(body),
+                    "/init_weights_update_group": lambda: state.init_group(body),
+                    "/destroy_weights_update_group": lambda: state.destroy_group(body),
+                    "/update_weights_from_distributed": lambda: state.update_from_distributed(body),
+                    "/pause_generation": lambda: (state.running.clear(), {"message": "Generation paused successfully.", "status": "ok"})[1],
+                    "/continue_generation": lambda: (state.running.set(), {"message": "Generation continued successfully.", "status": "ok"})[1],
+                    "/flush_cache": lambda: "Cache flushed.\n",
+                    "/release_memory_occupation": lambda: state.release(body),
+                    "/resume_memory_occupation": lambda: state.resume(body),
+                    "/slow_down": lambda: (setattr(state, "sleep_s", float(body.get("forward_sleep_time") or 0.0)), {})[1],
+                    "/jetrl/weight_hashes": lambda: {"weight_version": state.weight_version, "hashes": state.fp8_hashes()},
+                }
+                if path not in routes:
+                    raise RequestError(f"{path}: no such endpoint", HTTPStatus.NOT_FOUND)
+                out = routes[path]()
+                self._send(HTTPStatus.OK, out, text=isinstance(out, str))
+            except RequestError as e:
+                key = "error" if path == "/generate" else "message"
+                payload = {"error": {"message": str(e), "code": int(e.status)}} if key == "error" else \
+                    {"success": False, "message": str(e)}
+                self._send(e.status, payload)
+            except Exception as e:  # noqa: BLE001 - a server never dies on one request
+                log.exception("request %s failed", path)
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(e).__name__}: {e}"})
+
+        def _model_info(self):
+            return {"model_path": state.model_path, "weight_version": state.weight_version, "is_generation": True,
+                    "model_type": state.model_cfg.model_type, "quantization": "fp8" if state.recipe.rollout_fp8 else None}
+
+        def _server_info(self):
+            released = state.offloader is not None and state.offloader.offloaded
+            return {"weight_version": state.weight_version, "version": "jetrl-serve",
+                    "jetrl": {"memory_released": released, "resident_bytes": state.resident_bytes(),
+                              "requests_served": state.served, "paused": not state.running.is_set(),
+                              "last_parity": state.last_parity}}
+
+        def do_GET(self):
+            self._dispatch("GET")
+
+        def do_POST(self):
+            self._dispatch("POST")
+
+        do_PUT = do_POST
+
+    return Handler
+
+
+def serve(args: argparse.Namespace) -> int:
+    if not _loopback(args.host) and not args.admin_api_key:
+        raise SystemExit(f"jetrl serve: --host {args.host} is reachable from other machines; "
+                         "give --admin-api-key to guard the weight and memory endpoints")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend)
+    state.weight_version = str(args.weight_version)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(state, args.admin_api_key,
+                                                                      int(args.max_body_mb * (1 << 20))))
+    server.daemon_threads = True
+    print(f"jetrl serve: ready on http://{args.host}:{server.server_address[1]} "
+          f"({state.model_cfg.model_type}, {'block FP8' if state.recipe.rollout_fp8 else 'BF16'}, "
+          f"weight_version {state.weight_version})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def add_serve_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-path", required=True, help="HF directory (BF16, or block FP8 with quantization_config)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--admin-api-key", default=os.environ.get("JETRL_ADMIN_API_KEY"),
+                    help="required when --host is not loopback; guards weight/memory endpoints (env JETRL_ADMIN_API_KEY)")
+    ap.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--backend", default="auto", choices=["auto", "scaled_mm", "emulated"])
+    ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weight-version", default="0")
