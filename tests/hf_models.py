@@ -51,3 +51,32 @@ def make_hf_model(model_type: str, path: str, seed: int = 0, dtype=torch.float32
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def make_fp8_dir(src: str, dst: str, scale_fmt: str = "fp32") -> str:
+    """The block-FP8 HF format of ``src`` (a BF16/FP32 HF dir): every attention/MLP projection as
+    E4M3 bytes + ``weight_scale_inv`` (128x128 blocks), the rest as stored, config.json with the
+    recipe's ``quantization_config`` (what a rollout server is launched from)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_jetrl.precision.quant import quantize_weight
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    recipe = FP8Recipe(mode="jet", scale_fmt=scale_fmt)
+    out = {}
+    for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+        if name.endswith("proj.weight") and "mlp.gate.weight" not in name:
+            q, s = quantize_weight(t.float(), recipe)
+            out[name], out[name[: -len(".weight")] + ".weight_scale_inv"] = q, s
+        else:
+            out[name] = t
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = recipe.hf_quantization_config()
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst

@@ -35,8 +35,11 @@ def test_preset_loads_and_round_trips(tmp_path):
     (["model.model_type=gpt2"], r"model.model_type: 'gpt2' is not one of"),
     (["steps"], r"steps: override without '='"),
     (["model=3"], r"model: expected a mapping"),
-    (["rollout.engine=sglang"], r"rollout.engine: the SGLang fleet is not implemented yet; use rollout.engine=local"),
-    (["scheduler.mode=disaggregated"], r"scheduler.mode: the disaggregated scheduler is not implemented yet"),
+    (["scheduler.mode=disaggregated"], r"scheduler.mode: disaggregated needs a server fleet; set rollout.engine=serve or sglang"),
+    (["scheduler.async_rollout=true", "rollout.engine=serve"], r"scheduler.async_rollout: one-step-ahead rollout needs separate"),
+    (["rollout.engine=sglang", "parallel.pipeline_parallel=2"], r"rollout.weight_transport: distributed sends from one rank"),
+    (["rollout.server_addresses=[localhost:3000]"], r"rollout.server_addresses: 'localhost:3000' is not a URL; write http://host:port"),
+    (["rollout.mem_fraction=1.5"], r"rollout.mem_fraction: 1.5 not in \(0, 1\)"),
     (["precision.backend=te"], r"precision.backend: the TransformerEngine backend is not implemented yet"),
 ])
 def test_bad_config_one_line_errors(overrides, pattern):

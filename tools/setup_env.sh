@@ -18,4 +18,7 @@ pip install -q -e ".[test]" 2>&1 | grep -v -i warning || true
 # so its CUDA kernels and its torch pin stay out of this environment.
 python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" 2>/dev/null || \
   pip install -q --no-deps "sglang==0.5.23" 2>&1 | grep -v -i warning || true
+# What sglang.srt.server_args needs to import (the launch-argument test parses our arguments with
+# SGLang's own ServerArgs); all pure Python or small wheels, none of them pulls torch.
+pip install -q orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow ipython 2>&1 | grep -v -i warning || true
 python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"

@@ -374,6 +374,12 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
             n = int(self.headers.get("Content-Length") or 0)
             if n > max_body:
                 self.close_connection = True
+                left = n  # drain without keeping it, so the client reads the answer instead of a broken pipe
+                while left > 0:
+                    chunk = self.rfile.read(min(left, 1 << 20))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
                 raise RequestError(f"request body of {n} bytes exceeds the {max_body}-byte limit "
                                    "(--max-body-mb); send smaller buckets", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
             raw = self.rfile.read(n) if n else b""

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megatron_jetrl.rollout.base import Generation, SamplingParams
-from megatron_jetrl.sync.transport import DEFAULT_BUCKET_BYTES, bucketize, is_fp8_payload, nbytes, tensor_hash
+from megatron_jetrl.sync.transport import bucketize, host_copy, is_fp8_payload, nbytes, tensor_hash
 
 log = logging.getLogger("jetrl.fleet")
 
@@ -456,7 +456,7 @@ class RolloutFleet:
 
         total, buckets = 0, list(bucketize(items, self.cfg.rollout.bucket_mb << 20))
         for i, bucket in enumerate(buckets):
-            payload = base64.b64encode(st_save({n: t.detach().contiguous().cpu() for n, t in bucket})).decode()
+            payload = base64.b64encode(st_save({n: host_copy(t) for n, t in bucket})).decode()
             total += sum(nbytes(t) for _, t in bucket)
             self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version),
                                                                          i == len(buckets) - 1))

@@ -31,9 +31,17 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """sha256 (first 16 hex) of a tensor's raw bytes."""
-    data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values that does not share ``t``'s storage. numpy (under
+    safetensors and hashing) pins a storage's size, and the colocated scheduler must be able to
+    resize parameter storages to 0 (``memory.Offloader``)."""
+    out = t.detach().contiguous().cpu()
+    return out.clone() if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else out
+
+
+def tensor_hash(t: torch.Tensor, owned: bool = False) -> str:
+    """sha256 (first 16 hex) of a tensor's raw bytes (``owned``: ``t`` is already a private host copy)."""
+    data = (t.contiguous() if owned else host_copy(t)).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -116,9 +124,9 @@ class DiskTransport:
                 n = nbytes(t)
                 if size + n > self.shard_bytes:
                     flush()
-                shard[name] = t.detach().contiguous().cpu()
+                shard[name] = host_copy(t)
                 if self.record_hashes:
-                    hashes[name] = tensor_hash(shard[name])
+                    hashes[name] = tensor_hash(shard[name], owned=True)
                 size += n
                 total += n
         flush()

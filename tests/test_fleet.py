@@ -1,0 +1,370 @@
+"""The rollout fleet over real HTTP on loopback: `jetrl serve` workers, the SGLang client, the
+schedulers, fault handling; SGLang's own ServerArgs and request classes where they import."""
+import ast
+import base64
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from megatron_jetrl.rollout.base import SamplingParams
+from megatron_jetrl.rollout.sglang import SGLangClient, ServerError, free_port
+from tests.hf_models import make_fp8_dir, make_hf_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=REPO)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    make_hf_model("qwen3", str(root / "bf16"), seed=5)
+    return make_fp8_dir(str(root / "bf16"), str(root / "fp8"))
+
+
+def _serve(model_dir, log_path, *extra, port=None):
+    port = port or free_port()
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_jetrl.cli", "serve", "--model-path", model_dir,
+                             "--port", str(port), "--params-dtype", "fp32", *extra],
+                            env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=60,
+                          admin_api_key=extra[extra.index("--admin-api-key") + 1] if "--admin-api-key" in extra else None)
+    deadline = time.monotonic() + 120
+    while not client.healthy(timeout_s=2):
+        assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-2000:]
+        time.sleep(0.2)
+    return proc, client
+
+
+def _raw(url, body: bytes, headers=None):
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _st_payload(tensors):
+    from safetensors.torch import save
+
+    return base64.b64encode(save(tensors)).decode()
+
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
+
+
+def test_serve_refuses_open_host_without_key(fp8_dir):
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "serve", "--model-path", fp8_dir,
+                          "--host", "0.0.0.0"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--admin-api-key" in out.stderr.strip().splitlines()[-1]
+
+
+def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
+    from megatron_jetrl.models.hf_io import HFCheckpoint
+
+    proc, client = _serve(fp8_dir, tmp_path / "s.log", "--admin-api-key", "k3y", "--max-body-mb", "4")
+    try:
+        url = client.url
+        before = client.generate(PROMPTS, PARAMS, seed=7)
+        assert [len(g.output_ids) for g in before] == [6] * 4 and client.get_weight_version() == "0"
+        assert all(lp <= 0 for g in before for lp in g.output_logprobs)
+        assert client.generate(PROMPTS, PARAMS, seed=7)[2].output_ids == before[2].output_ids  # seeded
+
+        # malformed requests: 4xx with one line, the server keeps serving
+        assert _raw(url + "/generate", b"{not json")[0] == 400
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [1, 2], "bogus": 1}).encode())
+        assert status == 400 and body["error"]["message"].startswith("bogus: unknown field for /generate")
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [[1, 2], []]}).encode())
+        assert status == 400 and "input_ids" in body["error"]["message"]
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [1], "sampling_params": {"min_p": 0.1}}).encode())
+        assert status == 400 and body["error"]["message"].startswith("sampling_params.min_p")
+        status, body = _raw(url + "/generate", b'{"input_ids": [' + b"1," * 2_500_000 + b"1]}")
+        assert status == 413 and "--max-body-mb" in body["error"]["message"]
+
+        # weight and memory endpoints need the key (generation does not)
+        anon = SGLangClient(url)
+        with pytest.raises(ServerError, match="HTTP 401"):
+            anon.release_memory_occupation()
+
+        # an update is applied whole or not at all
+        ckpt = HFCheckpoint(fp8_dir)
+        names = sorted(ckpt.keys())
+        first = {n: ckpt.raw(n) for n in names[: len(names) // 2]}
+        r = client.update_weights_from_tensor([_st_payload(first)], "jetrl_safetensors", "1", False)
+        assert r["success"] and "staged" in r["message"] and client.get_weight_version() == "0"
+        bad_name = names[len(names) // 2]
+        bad = {bad_name: torch.zeros(3, dtype=ckpt.raw(bad_name).dtype)}
+        with pytest.raises(ServerError, match=f"HTTP 400: {bad_name}: got \\(3,\\)"):
+            client.update_weights_from_tensor([_st_payload(bad)], "jetrl_safetensors", "1", True)
+        rest = {n: ckpt.raw(n) for n in names[len(names) // 2:]}
+        r = client.update_weights_from_tensor([_st_payload(rest)], "jetrl_safetensors", "1", True)
+        assert "staged" in r["message"] and client.get_weight_version() == "0"  # the first half was dropped
+        assert client.generate(PROMPTS, PARAMS, seed=7)[0].output_ids == before[0].output_ids
+
+        # a full update with changed weights: version moves, the FP8 bytes served are the ones sent
+        new = {n: ckpt.raw(n) for n in names}
+        w = "model.layers.0.mlp.down_proj.weight"
+        new[w] = torch.flip(new[w].view(torch.uint8), dims=[1]).contiguous().view(torch.float8_e4m3fn)
+        chunks = [dict(list(new.items())[i:i + 10]) for i in range(0, len(new), 10)]
+        for i, c in enumerate(chunks):
+            r = client.update_weights_from_tensor([_st_payload(c)], "jetrl_safetensors", "2", i == len(chunks) - 1)
+        assert r["message"] == "weights updated to version 2" and client.get_weight_version() == "2"
+        from megatron_jetrl.sync.transport import tensor_hash
+
+        served = client.weight_hashes()
+        assert served["weight_version"] == "2" and served["hashes"][w] == tensor_hash(new[w])
+        assert all(served["hashes"][k] == tensor_hash(v) for k, v in new.items() if k in served["hashes"])
+        assert len(served["hashes"]) == sum(1 for k in new if k.endswith(("proj.weight", "weight_scale_inv")))
+
+        # disk: the same directory the fleet's disk transport writes
+        r = client.update_weights_from_disk(fp8_dir, "3")
+        assert r["success"] and client.get_weight_version() == "3"
+        assert client.generate(PROMPTS, PARAMS, seed=7)[3].output_ids == before[3].output_ids
+
+        # release / resume: resident bytes go to 0, generation is refused, then comes back identical
+        client.release_memory_occupation()
+        info = client.server_info()["jetrl"]
+        assert info["memory_released"] and info["resident_bytes"] == 0
+        with pytest.raises(ServerError, match="HTTP 503: memory released"):
+            client.generate(PROMPTS, PARAMS, seed=7)
+        client.resume_memory_occupation()
+        assert client.server_info()["jetrl"]["resident_bytes"] > 0
+        assert client.generate(PROMPTS, PARAMS, seed=7)[1].output_ids == before[1].output_ids
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+
+
+def test_fleet_survives_a_killed_server(fp8_dir, tmp_path):
+    """Kill a server mid-rollout: its chunks are retried elsewhere (same seeds: the same samples,
+    none lost or doubled), it is restarted, and it gets the current weights before it serves."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.hf_io import HFCheckpoint
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    cfg = load_config(None, ["rollout.engine=serve", "rollout.num_servers=2", "rollout.chunk_size=1",
+                             "rollout.weight_transport=tensor", "precision.params_dtype=fp32",
+                             "scheduler.mode=disaggregated", f"logging.run_dir={tmp_path}"])
+    fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(tmp_path), fp8_dir, colocated=False)
+    fleet.start()
+    try:
+        prompts = [[i % 50 + 1, 3, 5] for i in range(8)]
+        reference = fleet.generate(prompts, PARAMS, seed=100)
+        victim = fleet.servers[1]
+        victim.client.request("/slow_down", {"forward_sleep_time": 1.5})
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("gens", fleet.generate(prompts, PARAMS, seed=100)))
+        th.start()
+        time.sleep(1.0)  # the victim is inside its first chunk
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        th.join(120)
+        gens = out["gens"]
+        assert [g.prompt_ids for g in gens] == prompts
+        assert [g.output_ids for g in gens] == [g.output_ids for g in reference]  # same samples, none doubled
+        assert fleet.metrics["fleet_retries"] >= 1 and not victim.up
+        assert {g.meta["server"] for g in gens} == {fleet.servers[0].client.url}
+
+        assert fleet.heal() == 1 and victim.up and victim.restarts == 1
+        ckpt = HFCheckpoint(fp8_dir)
+        m = fleet.push_weights(1, ((n, ckpt.raw(n)) for n in ckpt.keys()))
+        assert m["parity_checked"] == 2 * sum(1 for n in ckpt.keys() if n.endswith(("proj.weight", "_scale_inv")))
+        assert m["parity_mismatch"] == 0
+        assert [s.client.get_weight_version() for s in fleet.servers] == ["1", "1"]
+        again = fleet.generate(prompts, PARAMS, seed=100)
+        assert [g.output_ids for g in again] == [g.output_ids for g in reference]
+        assert len({g.meta["server"] for g in again}) == 2
+    finally:
+        fleet.shutdown()
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("extra", [
+    ["scheduler.mode=disaggregated", "rollout.num_servers=2", "rollout.weight_transport=distributed"],
+    ["scheduler.mode=disaggregated", "rollout.num_servers=2", "rollout.weight_transport=disk",
+     "scheduler.async_rollout=true"],
+    ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor"],
+], ids=["disagg-broadcast", "disagg-disk-async", "colocated-tensor"])
+def test_train_over_a_fleet(extra, tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
+                          "--run-dir", str(run_dir), "steps=3", "algo.sft_warmup_steps=1", "rollout.engine=serve",
+                          "rollout.prompts_per_step=4", "rollout.chunk_size=8", *extra],
+                         env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _metrics(run_dir)
+    rl = [r for r in rows if r["is_rl"] == 1.0]
+    assert len(rl) == 3
+    for r in rows[0:1] + rl:  # the push after the warm-up and after every RL step
+        assert r["parity_checked"] > 0 and r["parity_mismatch"] == 0
+    n_servers = 2 if "rollout.num_servers=2" in extra else 1
+    assert all(r["fleet_servers_up"] == n_servers and r["fleet_retries"] == 0 for r in rl)
+    if "scheduler.async_rollout=true" in extra:
+        assert [r["rollout_staleness"] for r in rl] == [0.0, 1.0, 1.0]
+    else:
+        assert all(r["mismatch_abs_mean"] < 1e-4 for r in rl)  # the same FP8 bytes on both sides
+    if "scheduler.mode=colocated" in extra:
+        assert all(r["trainer_offloaded_gb"] > 0 for r in rl)
+    logs = os.listdir(run_dir / "rollout_logs")
+    assert len(logs) == n_servers
+    # the servers are gone when the run ends
+    assert "jetrl serve: ready" in (run_dir / "rollout_logs" / "server0.log").read_text()
+
+
+def test_actor_offload_reload_is_bit_identical(tmp_path, megatron_single):
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.memory import model_tensors, optimizer_tensors
+    from megatron_jetrl.train import close, setup, sft_step
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
+                      [f"logging.run_dir={tmp_path}", "steps=1", "algo.sft_warmup_steps=2", "rollout.prompts_per_step=2"])
+    run = setup(cfg)
+    try:
+        sft_step(run)  # optimizer state exists
+        actor = run.actor
+        tensors = model_tensors(actor.module) + optimizer_tensors(actor.optimizer)
+        before = [t.detach().clone() for t in tensors]
+        released = actor.offload()
+        assert released >= sum(p.numel() * 4 * 3 for p in actor.module.parameters())  # params, master/grad, Adam
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        assert actor.reload() == released
+        assert all(torch.equal(a, b) for a, b in zip(before, tensors))
+        assert torch.isfinite(torch.tensor(sft_step(run)["sft_loss"]))
+    finally:
+        close(run)
+
+
+# ----------------------------------------------------------------------------------------------
+# Against SGLang's own code
+
+
+def _sglang_file(rel):
+    try:
+        return str(importlib.metadata.distribution("sglang").locate_file(f"sglang/srt/{rel}"))
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sglang is not installed (tools/setup_env.sh installs it with --no-deps)")
+
+
+def _io_struct_fields() -> dict[str, set]:
+    tree = ast.parse(open(_sglang_file("managers/io_struct.py")).read())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    return out
+
+
+def _http_routes() -> set[str]:
+    tree = ast.parse(open(_sglang_file("entrypoints/http_server.py")).read())
+    routes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "post", "api_route"):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                routes.add(node.args[0].value)
+    return routes
+
+
+def test_client_requests_match_sglang_source(monkeypatch):
+    """Every request the client sends goes to a route SGLang's http_server defines, with fields of
+    the io_struct class that route parses; jetrl serve accepts the same field sets."""
+    from megatron_jetrl.rollout.server import REQUEST_FIELDS
+
+    fields, routes = _io_struct_fields(), _http_routes()
+    sent = []
+    monkeypatch.setattr(SGLangClient, "request", lambda self, path, body=None, **kw: sent.append((path, body)) or {})
+    c = SGLangClient("http://x")
+    c.update_weights_from_disk("/m", "1")
+    c.update_weights_from_tensor(["YQ=="], "flattened_bucket", "1", True)
+    c.init_weights_update_group("127.0.0.1", 1234, 1, 3, "g", "nccl")
+    c.update_weights_from_distributed(["a"], ["bfloat16"], [[2, 2]], "1", "g", True)
+    c.destroy_weights_update_group("g")
+    c.pause_generation()
+    c.continue_generation()
+    c.release_memory_occupation(["weights"])
+    c.resume_memory_occupation(["kv_cache"])
+    c.flush_cache()
+    c.request("/slow_down", {"forward_sleep_time": 1.0})
+    try:
+        c.generate([[1, 2]], SamplingParams(max_new_tokens=2, top_k=5, stop_token_ids=(3,)), seed=1, rid="r")
+    except ServerError:
+        pass  # the stub answers {}, which the parser refuses: we only record the request here
+    assert len(sent) == 12
+    for path, body in sent:
+        assert path in routes, path
+        if path == "/flush_cache":
+            continue
+        cls, accepted = REQUEST_FIELDS[path]
+        assert set(body) <= fields[cls], (path, set(body) - fields[cls])
+        assert set(body) <= accepted, (path, set(body) - accepted)
+        assert accepted <= fields[cls], (path, accepted - fields[cls])
+    gen = dict(sent)["/generate"]
+    sp_fields = _sampling_param_fields()
+    assert set(gen["sampling_params"]) <= sp_fields
+    for path in ("/health_generate", "/model_info", "/server_info"):
+        assert path in routes
+
+
+def _sampling_param_fields() -> set:
+    tree = ast.parse(open(_sglang_file("sampling/sampling_params.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams")
+    return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
+
+
+def test_generate_response_parser_matches_sglang_shapes():
+    from megatron_jetrl.rollout.sglang import parse_generate_response
+
+    # the shape tokenizer_manager builds: meta_info.output_token_logprobs = [(logprob, id, text|None)]
+    ans = [{"text": "", "output_ids": [4, 2], "meta_info": {"id": "r-0", "finish_reason": {"type": "stop", "matched": 2},
+            "prompt_tokens": 3, "weight_version": "7", "output_token_logprobs": [[-0.5, 4, None], [-1.0, 2, None]]}}]
+    g = parse_generate_response(ans, [[1, 2, 3]])[0]
+    assert (g.output_ids, g.output_logprobs, g.finish_reason, g.weight_version) == ([4, 2], [-0.5, -1.0], "stop", 7)
+    ans[0]["meta_info"]["output_token_logprobs"][1][1] = 9
+    with pytest.raises(ServerError, match="do not match output_ids"):
+        parse_generate_response(ans, [[1, 2, 3]])
+    with pytest.raises(ServerError, match="expected 2 results"):
+        parse_generate_response([], [[1], [2]])
+
+
+def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
+    """Our launch arguments, parsed by SGLang's own argument parser into its ServerArgs."""
+    import argparse
+
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as e:
+        pytest.skip(f"SGLang's server_args does not import here ({e}); tools/setup_env.sh installs its pure-Python deps")
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import sglang_server_argv
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.server_tp=2", "rollout.mem_fraction=0.6",
+                             "rollout.deterministic=true", "rollout.admin_api_key=s3cret", "seed=7"])
+    for mode, colocated in (("jet", True), ("bf16", False)):
+        argv = sglang_server_argv(cfg, FP8Recipe(mode=mode), fp8_dir, 31234, base_gpu_id=4, colocated=colocated)
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(argv)
+        sa = ServerArgs.from_cli_args(args) if not hasattr(ServerArgs, "from_cli") else ServerArgs.from_cli_args(args)
+        assert (sa.model_path, sa.port, sa.tp_size, sa.mem_fraction_static, sa.base_gpu_id) == (fp8_dir, 31234, 2, 0.6, 4)
+        assert sa.quantization == ("fp8" if mode == "jet" else None) and sa.dtype == "bfloat16"
+        assert sa.enable_memory_saver is colocated and sa.enable_deterministic_inference is True
+        assert sa.skip_tokenizer_init and sa.random_seed == 7 and sa.admin_api_key == "s3cret"
+        assert sa.host == "127.0.0.1" and sa.weight_version == "0"
+    # the launch directory's config.json carries the recipe's block quantization_config
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == FP8Recipe(mode="jet").hf_quantization_config()
