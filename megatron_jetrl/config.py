@@ -201,6 +201,8 @@ class ParallelConfig:
     """EP size for qwen3_moe (must divide num_experts)."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks when DP > 1."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recompute: ``full`` keeps only each layer's input and re-runs it in backward."""
 
     def __post_init__(self):
         _positive(self, "parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel")
@@ -341,6 +343,10 @@ class CheckpointConfig:
     """Save every N RL steps (0 = only at the end)."""
     resume: bool = False
     """Resume from the newest checkpoint in the run directory."""
+    load_path: Optional[str] = None
+    """Start from the model weights of a megatron-core checkpoint (e.g. ``jetrl convert
+    hf-to-megatron``'s output, any TP/PP layout: each rank reads only its shard); the optimizer
+    starts fresh. Ignored when resuming."""
 
 
 @dataclass(kw_only=True)
@@ -404,8 +410,18 @@ class JetConfig:
         _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,
                "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
                "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
-        _check(self.precision.backend != "te", "precision.backend",
-               "the TransformerEngine backend is not implemented yet", "use auto, scaled_mm or emulated")
+        if self.precision.backend == "te":
+            from megatron_jetrl.precision.recipe import FP8Recipe
+            from megatron_jetrl.precision.te_backend import TEConfigError, check_te_numerics
+
+            try:
+                check_te_numerics(FP8Recipe.from_config(self.precision), m, dict(os.environ))
+            except TEConfigError as e:
+                raise ConfigError(f"config error: {e}") from None
+            _check(self.precision.mode != "jet" or all(
+                x % (128 * tp) == 0 for x in (m.ffn_hidden_size, m.num_key_value_heads * m.head_dim)),
+                "precision.backend", "TE's FP8 gate/up and k/v shards must be whole 128-row blocks",
+                "use a tensor_parallel with ffn/TP and kv_heads*head_dim/TP multiples of 128, or backend=auto")
         _check(self.algo.tis_cap is None or self.precision.mode == "fp8_rollout", "algo.tis_cap",
                f"truncated importance sampling is for fp8_rollout, mode is {self.precision.mode}",
                "set algo.tis_cap=null or precision.mode=fp8_rollout")

@@ -117,7 +117,7 @@ def setup(cfg: JetConfig) -> Run:
     recipe = FP8Recipe.from_config(cfg.precision)
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)
-    if cfg.model.hf_path:
+    if cfg.model.hf_path and not cfg.checkpoint.load_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps + cfg.algo.sft_warmup_steps
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
@@ -137,6 +137,13 @@ def setup(cfg: JetConfig) -> Run:
         stream.load_state_dict(loop["stream"])
         start, resume_step = loop["step"] + 1, loop["step"]
         log.info("resumed from %s (next step %d)", path, start)
+    elif cfg.checkpoint.load_path:
+        from megatron_jetrl.precision.linear import refresh_fp8_weights
+        from megatron_jetrl.trainer.checkpoint import load_model_weights
+
+        load_model_weights(cfg.checkpoint.load_path, actor)
+        refresh_fp8_weights(actor.module, fp8_state)
+        log.info("model weights from %s", cfg.checkpoint.load_path)
     if is_logging_rank():
         os.makedirs(ckpt_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))

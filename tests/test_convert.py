@@ -135,3 +135,28 @@ def test_convert_a_checkpoint_written_by_jetrl_train(tmp_path):
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 64, (1, 8))).logits).all()
     assert "quantization_config" in json.load(open(tmp_path / "fp8" / "config.json"))
+
+
+def test_train_starts_from_a_converted_checkpoint(tmp_path):
+    """HF -> megatron (hf-to-megatron), then `checkpoint.load_path`: the first steps equal a run
+    that loads the HF weights directly."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    make_hf_model("qwen3", str(tmp_path / "hf"), seed=3, vocab_size=128)
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "convert", "hf-to-megatron", str(tmp_path / "hf"),
+                          str(tmp_path / "mcore"), "--params-dtype", "fp32"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {}
+    for name, extra in (("direct", []), ("converted", [f"checkpoint.load_path={tmp_path / 'mcore'}"])):
+        run = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny", "--run-dir",
+                              str(tmp_path / name), f"model.hf_path={tmp_path / 'hf'}", "steps=1", "algo.sft_warmup_steps=1",
+                              "rollout.prompts_per_step=2", *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows[name] = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
+    for a, b in zip(rows["direct"], rows["converted"]):
+        for k in ("sft_loss", "grad_norm", "pg_loss", "reward_mean"):
+            if k in a:
+                assert a[k] == b[k], k
+    bad = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny", "--run-dir",
+                          str(tmp_path / "bad"), "steps=1", f"checkpoint.load_path={tmp_path / 'nope'}"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("checkpoint error: checkpoint.load_path")

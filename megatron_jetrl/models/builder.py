@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype):
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, extra: dict | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    recompute = {}
+    if parallel.recompute == "full":  # keep only each layer's input; re-run the layer in backward
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     moe = {}
     if model.is_moe:
         moe = dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_top_k,
@@ -50,8 +53,28 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel, expert_tensor_parallel_size=1,
         use_cpu_initialization=not torch.cuda.is_available(),
-        sequence_parallel=False, **moe,
+        sequence_parallel=False, **moe, **recompute, **(extra or {}),
     )
+
+
+def _te_spec(model: ModelConfig, recipe: FP8Recipe):
+    """Megatron's TransformerEngine layer spec and the TransformerConfig fields of the recipe."""
+    import os
+
+    from megatron_jetrl.config import ConfigError
+    from megatron_jetrl.precision.te_backend import te_env, te_transformer_config
+
+    for k, v in te_env(recipe).items():
+        os.environ.setdefault(k, v)  # before TE reads it (config validation refused a contradicting value)
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except ImportError as e:
+        raise ConfigError(f"config error: precision.backend: te needs TransformerEngine ({e}); use the NGC "
+                          "container (Dockerfile) or precision.backend=auto") from None
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
+                                                      qk_layernorm=model.qk_norm)
+    return spec, te_transformer_config(recipe)
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
@@ -61,10 +84,15 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model, parallel, dtype)
+    te = backend == "te"
+    if te:
+        spec, extra = _te_spec(model, recipe)
+    else:
+        spec, extra = layer_spec(model.qk_norm, model.num_experts), None
+    config = transformer_config(model, parallel, dtype, extra)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model.qk_norm, model.num_experts),
+        transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -75,5 +103,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gpt.to(device)
+    if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
+        state = FP8ModelState(recipe, "te")
+        state.forward_fp8 = False  # our FP8 linears are not in this model
+        return gpt, state
     state: FP8ModelState = attach_fp8(gpt, recipe, backend, device)
     return gpt, state

@@ -58,6 +58,23 @@ def _is_exporter(expert: bool) -> bool:
     return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
 
 
+def _te_parts(name: str, module, param) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A TE FP8 parameter's bytes and scales as the (fp8, scale_inv) of each logical sub-matrix in
+    rollout (HF) row order: whole 128-row blocks moved, nothing re-quantized."""
+    from megatron_jetrl.precision.linear import _layout
+    from megatron_jetrl.precision.te_backend import TE_BLOCK, block_rows_permute, te_weight_bytes
+
+    q, s = te_weight_bytes(param)
+    sub, perm = _layout(name, module, module.config)
+    if perm is not None:
+        q, s = block_rows_permute(q, s, perm.to(q.device))
+    out, row = [], 0
+    for n in sub:
+        out.append((q[row:row + n], s[row // TE_BLOCK:(row + n) // TE_BLOCK]))
+        row += n
+    return out
+
+
 def iter_hf_tensors(model, model_cfg, opts: ExportOptions) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for this rank's share of the export (nothing on non-exporters).
     Must be iterated on every rank of the model (it runs TP collectives)."""
@@ -70,9 +87,13 @@ def iter_hf_tensors(model, model_cfg, opts: ExportOptions) -> Iterator[tuple[str
         names = hf_mapping.hf_names(rule, idx)
         tp_dim = None if rule.is_expert else rule.tp_dim
         module = modules[local.rsplit(".", 1)[0]]
+        parts = None
         if opts.fp8 and rule.fp8 and getattr(module, "fp8_cache", None) is not None:
             module.fp8_weight()  # current version (re-quantizes only if stale)
             parts = module.fp8_cache.parts()
+        elif opts.fp8 and rule.fp8 and hasattr(param, "_rowwise_data"):
+            parts = _te_parts(local.rsplit(".", 1)[0], module, param)  # TE's own FP8 bytes + scales
+        if parts is not None:
             cat_dim = 0 if tp_dim in (0, None) else 1
             gathered = [(_tp_gather(q, cat_dim) if tp_dim is not None else [q],
                          _tp_gather(s, cat_dim) if tp_dim is not None else [s]) for q, s in parts]

@@ -78,6 +78,19 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, "loop_state.json")) else None
 
 
+def load_model_weights(path: str, actor) -> None:
+    """Only the model weights of a checkpoint (ours or a converted HF one), resharded to this layout."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_jetrl.models.hf_io import CheckpointError
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint error: checkpoint.load_path {path!r} is not a directory; "
+                              "convert one with jetrl convert hf-to-megatron")
+    state = dist_checkpointing.load({"model": actor.module.sharded_state_dict()}, path)
+    actor.module.load_state_dict(state["model"])
+
+
 def load_checkpoint(path: str, actor) -> dict:
     from megatron.core import dist_checkpointing
 

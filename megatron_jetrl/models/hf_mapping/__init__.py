@@ -77,7 +77,12 @@ MOE_MLP = (
     Rule(E + "linear_fc1.weight", (HE + "gate_proj.weight", HE + "up_proj.weight"), "gate_up", None, fp8=True),
     Rule(E + "linear_fc2.weight", (HE + "down_proj.weight",), None, fp8=True),
 )
-GLOBAL = (EMBED, FINAL_NORM, OUTPUT)
+# TransformerEngine's layer spec fuses the norms into the next linear (precision.backend=te).
+TE_FUSED_NORMS = (
+    Rule(L + "self_attention.linear_qkv.layer_norm_weight", (H + "input_layernorm.weight",)),
+    Rule(L + "mlp.linear_fc1.layer_norm_weight", (H + "post_attention_layernorm.weight",)),
+)
+GLOBAL = (EMBED, FINAL_NORM, OUTPUT) + TE_FUSED_NORMS
 
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": GLOBAL + ATTENTION + DENSE_MLP,
