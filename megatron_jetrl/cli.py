@@ -1,4 +1,4 @@
-"""``jetrl``: train | serve | convert | plot | bench | mismatch. Each subcommand has --help."""
+"""``jetrl``: train | serve | launch | convert | plot | bench | mismatch. Each subcommand has --help."""
 from __future__ import annotations
 
 import argparse
@@ -137,11 +137,18 @@ def main(argv=None) -> int:
                         "train: one RL training phase, bf16 vs jet")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
 
+    la = sub.add_parser("launch", help="plan and run a cluster job: layout, SGLang fleet, memory, per-node commands")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="see jetrl launch --help")
+
     m = sub.add_parser("mismatch", help="train-rollout mismatch per precision mode, side by side")
     m.add_argument("rest", nargs=argparse.REMAINDER, help="see jetrl mismatch --help")
 
     argv = sys.argv[1:] if argv is None else list(argv)
     # bench/mismatch own their options: hand everything after the subcommand to them
+    if argv[:1] == ["launch"]:
+        from megatron_jetrl.launch import main as launch_main
+
+        return launch_main(argv[1:])
     if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"], ["bench", "train"]):
         import importlib
 

@@ -15,8 +15,10 @@ import torch
 
 
 class Offloader:
-    def __init__(self, tensors: Iterable[torch.Tensor]):
-        seen, self.storages = set(), []
+    def __init__(self, tensors: Iterable[torch.Tensor], seen: set | None = None):
+        """``seen``: storage keys already claimed by another Offloader (shared across groups)."""
+        seen = set() if seen is None else seen
+        self.storages = []
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
@@ -77,17 +79,21 @@ def optimizer_tensors(opt) -> list[torch.Tensor]:
     return out
 
 
-def model_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, their gradient buffers (Megatron's ``main_grad``) and FP8 weight caches."""
-    out = []
-    for p in module.parameters():
-        out.append(p)
-        if getattr(p, "main_grad", None) is not None:
-            out.append(p.main_grad)
-        if p.grad is not None:
-            out.append(p.grad)
+def param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and the FP8 weight caches."""
+    out = list(module.parameters())
     for m in module.modules():
         cache = getattr(m, "fp8_cache", None)
         if cache is not None and cache.qweight is not None:
             out += [cache.qweight, cache.scale_inv]
     return out
+
+
+def grad_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradient buffers (Megatron's ``main_grad``, or ``.grad``)."""
+    return [g for p in module.parameters() for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+
+
+def model_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters, their gradient buffers and FP8 weight caches."""
+    return param_tensors(module) + grad_tensors(module)

@@ -55,7 +55,7 @@ def check_te_numerics(recipe: FP8Recipe, model_cfg, env: dict[str, str]) -> None
         raise TEConfigError(f"precision.backend: TE blocks are {TE_BLOCK} and {TE_BLOCK}x{TE_BLOCK}, the recipe has "
                             f"{recipe.group_size} / {recipe.weight_block}; use backend=auto")
     want = te_env(recipe)["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"]
-    got = env.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")
+    got = env.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", want)  # unset: the builder sets it before importing TE
     if got != want:
         raise TEConfigError(f"precision.scale_fmt: {recipe.scale_fmt} needs NVTE_FP8_BLOCK_SCALING_FP32_SCALES={want} "
                             f"before TE is imported (it is {got}); unset it or set it to {want}")

@@ -320,6 +320,8 @@ class ServeEngine:
     def release(self, body: dict) -> dict:
         from megatron_jetrl.memory import Offloader, model_tensors
 
+        if body.get("tags") and "weights" not in body["tags"]:
+            return {"success": True, "message": "no KV pool to release (the KV cache lives inside /generate)"}
         with self.lock:
             if self.offloader is None or not self.offloader.offloaded:
                 self.offloader = Offloader(model_tensors(self.model))
@@ -328,6 +330,8 @@ class ServeEngine:
         return {"success": True, "message": "already released"}
 
     def resume(self, body: dict) -> dict:
+        if body.get("tags") and "weights" not in body["tags"]:
+            return {"success": True, "message": "no KV pool to resume (the KV cache lives inside /generate)"}
         with self.lock:
             n = self.offloader.reload() if self.offloader is not None else 0
         return {"success": True, "message": f"resumed {n} bytes"}

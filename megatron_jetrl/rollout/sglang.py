@@ -337,8 +337,13 @@ class RolloutFleet:
         log.info("rollout fleet up: %s", ", ".join(s.client.url for s in self.servers))
 
     def _attach(self, s: Server) -> None:
-        if not s.client.healthy(timeout_s=30):
-            raise ServerError(f"{s.client.url}: not healthy; check rollout.server_addresses")
+        """Servers started by ``jetrl launch`` next to the trainer may still be loading: wait for them."""
+        deadline = time.monotonic() + self.cfg.rollout.health_timeout_s
+        while not s.client.healthy(timeout_s=5.0):
+            if time.monotonic() > deadline:
+                raise ServerError(f"{s.client.url}: not healthy after {self.cfg.rollout.health_timeout_s:.0f} s; "
+                                  "check rollout.server_addresses and the server's log")
+            time.sleep(1.0)
         s.up = True
 
     def shutdown(self) -> None:
@@ -524,8 +529,10 @@ class RolloutFleet:
     def release_memory(self) -> None:
         self._each([s for s in self.servers if s.up], lambda s: s.client.release_memory_occupation())
 
-    def resume_memory(self) -> None:
-        self._each([s for s in self.servers if s.up], lambda s: s.client.resume_memory_occupation())
+    def resume_memory(self, tags: Optional[list[str]] = None) -> None:
+        """SGLang's tags: ``weights`` (before a push, while the trainer is resident) and ``kv_cache``
+        (before the rollout, once the trainer is offloaded)."""
+        self._each([s for s in self.servers if s.up], lambda s: s.client.resume_memory_occupation(tags))
 
     def update_weights(self, version: int, hashes=None) -> dict:  # RolloutEngine protocol (in-process form)
         raise NotImplementedError("the fleet receives weights through push_weights")

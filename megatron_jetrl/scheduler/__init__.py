@@ -62,8 +62,11 @@ class Colocated(_Base):
         fleet = hasattr(run.engine, "push_weights")
         if fleet and run.cfg.scheduler.offload_trainer:
             m["mem_trainer_gb"] = _cuda_gb()
-            m["trainer_offloaded_gb"] = run.actor.offload() / 2**30
+            run.actor.offload()
+            m["trainer_offloaded_gb"] = run.actor.offloaded_bytes() / 2**30
             m["mem_after_offload_gb"] = _cuda_gb()
+        if fleet:
+            run.engine.resume_memory(["kv_cache"])  # the KV pool only once the trainer is off the GPU
         gens = self._generate(step, prompts)
         if fleet:
             run.engine.release_memory()
@@ -77,7 +80,9 @@ class Colocated(_Base):
 
         run = self.run
         if hasattr(run.engine, "push_weights"):
-            run.engine.resume_memory()
+            if run.cfg.scheduler.offload_trainer:  # the push needs the params only
+                run.actor.offload(("optimizer", "grads"))
+            run.engine.resume_memory(["weights"])  # the servers' weights only, next to the trainer's params
         return hand_over_weights(run, version)
 
 

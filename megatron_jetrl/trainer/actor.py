@@ -147,18 +147,36 @@ class Actor:
         return self.model.module
 
     # -- colocated scheduling: give the device to the rollout engine and take it back ---------------
-    def offload(self) -> int:
-        """Move parameters, gradient buffers, optimizer state and the FP8 cache to host memory;
-        returns bytes released. Every tensor stays the same object (see ``memory.Offloader``)."""
-        from megatron_jetrl.memory import Offloader, model_tensors, optimizer_tensors
+    OFFLOAD_PARTS = ("optimizer", "grads", "params")
 
-        buffers = [b for bufs in (getattr(self.model, "buffers", []), getattr(self.model, "expert_parallel_buffers", []))
-                   for buf in bufs for b in (buf.param_data, buf.grad_data) if b is not None]
-        self._offloader = Offloader(model_tensors(self.module) + buffers + optimizer_tensors(self.optimizer))
-        return self._offloader.offload()
+    def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> int:
+        """Move ``parts`` of the trainer's state to host memory (``optimizer``: master weights and
+        Adam moments; ``grads``: gradient buffers; ``params``: parameters and the FP8 cache);
+        returns bytes released. The weight push needs only the params, so the scheduler offloads
+        the optimizer and grads first, the params after the push. Every tensor stays the same object
+        (``memory.Offloader``)."""
+        from megatron_jetrl.memory import Offloader, grad_tensors, optimizer_tensors, param_tensors
+
+        if self._offloader is None:  # claim storages once, params first (an fp32 master may be the param)
+            bufs = [buf for group in (getattr(self.model, "buffers", []), getattr(self.model, "expert_parallel_buffers", []))
+                    for buf in group]
+            seen: set = set()
+            self._offloader = {
+                "params": Offloader(param_tensors(self.module) + [b.param_data for b in bufs if b.param_data is not None], seen),
+                "grads": Offloader(grad_tensors(self.module) + [b.grad_data for b in bufs if b.grad_data is not None], seen),
+                "optimizer": Offloader(optimizer_tensors(self.optimizer), seen)}
+        return sum(self._offloader[p].offload() for p in parts)
+
+    def offloaded_bytes(self) -> int:
+        return sum(o.nbytes() for o in self._offloader.values() if o.offloaded) if self._offloader else 0
 
     def reload(self) -> int:
-        return self._offloader.reload() if self._offloader is not None else 0
+        """Everything offloaded comes back (bit-identical)."""
+        if self._offloader is None:
+            return 0
+        n = sum(o.reload() for o in self._offloader.values())
+        self._offloader = None  # storages are claimed afresh next time (the optimizer may add state)
+        return n
 
     # -- forward passes ---------------------------------------------------------------------------
     def compute_logprobs(self, batch: RLBatch, model=None) -> Optional[torch.Tensor]:

@@ -1,0 +1,307 @@
+"""``jetrl launch``: from the run config and the cluster shape, the trainer layout, the SGLang fleet,
+the per-GPU memory estimate and the per-node commands; ``--dry-run`` prints them, otherwise this
+node's share runs (SGLang servers in the background, then the checkpoint conversion and the
+trainer under torchrun).
+
+Cluster shape: ``--nodes/--gpus-per-node`` or Slurm's environment (SLURM_JOB_NUM_NODES,
+SLURM_GPUS_ON_NODE, SLURM_NODEID, SLURM_JOB_NODELIST). Placement:
+
+- colocated: every GPU runs a trainer rank and belongs to one SGLang server (``server_tp`` GPUs, on
+  the same node, ``--enable-memory-saver``); the trainer offloads while the servers generate.
+- disaggregated: the last ``--rollout-gpus`` GPUs (whole nodes when more than one node) run the
+  servers; the rest train; weights go over an NCCL broadcast group.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+
+from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts, search_layouts,
+                                           server_memory, trainer_memory, valid_tp)
+
+TRAIN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",      # Megatron's TP comm/compute overlap ordering
+             "NCCL_NVLS_ENABLE": "0",                 # NVLink SHARP multicast off (see docs/cluster.md)
+             "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}  # frees NCCL buffers promptly
+RDZV_PORT = 29500
+SERVER_BASE_PORT = 30000
+
+
+def expand_nodelist(spec: str) -> list[str]:
+    """Slurm's compressed host list (``gpu[001-003,007],login1``) -> host names."""
+    hosts, i = [], 0
+    parts = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", spec)
+    for part in parts:
+        m = re.fullmatch(r"(.*)\[(.*)\]", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges = m.groups()
+        for r in ranges.split(","):
+            if "-" in r:
+                a, b = r.split("-")
+                hosts += [f"{prefix}{str(k).zfill(len(a))}" for k in range(int(a), int(b) + 1)]
+            else:
+                hosts.append(prefix + r)
+        i += 1
+    return hosts
+
+
+@dataclasses.dataclass
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gb: float
+    hosts: list[str]
+    node_rank: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def cluster_from(args, env=os.environ) -> Cluster:
+    nodes = args.nodes or int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    gpn = args.gpus_per_node or int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "") or "0") or 0) or 8
+    hosts = expand_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else \
+        (args.hosts.split(",") if args.hosts else [f"node{i}" for i in range(nodes)])
+    if len(hosts) < nodes:
+        raise PlanError(f"launch: {nodes} nodes but {len(hosts)} host names; give --hosts h1,h2,...")
+    node_rank = args.node_rank if args.node_rank is not None else int(env.get("SLURM_NODEID", 0))
+    return Cluster(nodes, gpn, args.gpu_mem_gb, hosts[:nodes], node_rank)
+
+
+@dataclasses.dataclass
+class Plan:
+    cluster: Cluster
+    mode: str
+    layout: Layout
+    trainer_gpus: int
+    trainer_nodes: list[int]
+    trainer_mem: object
+    server_tp: int
+    servers: list[tuple[int, list[int]]]   # (node, gpu ids) per server
+    server_mem: ServerMemory
+    peak_gb: float
+    tried: list
+    params_b: float
+
+    def summary(self) -> dict:
+        return {
+            "model_params_B": round(self.params_b, 3),
+            "cluster": f"{self.cluster.nodes}x{self.cluster.gpus_per_node} GPUs, {self.cluster.gpu_mem_gb:g} GB each",
+            "scheduler": self.mode,
+            "trainer": {"gpus": self.trainer_gpus, "tensor_parallel": self.layout.tp,
+                        "pipeline_parallel": self.layout.pp, "data_parallel": self.layout.dp,
+                        "memory_gb_per_gpu": {k: round(v, 2) for k, v in self.trainer_mem.rows().items()}},
+            "rollout": {"servers": len(self.servers), "tp_per_server": self.server_tp,
+                        "placement": [f"node{n}:gpus{','.join(map(str, g))}" for n, g in self.servers],
+                        "memory_gb_per_gpu": {"weights": round(self.server_mem.weights / GB, 2),
+                                              "kv_pool": round(self.server_mem.kv_pool / GB, 2),
+                                              "mem_fraction_budget": round(self.server_mem.budget / GB, 2)}},
+            "peak_gb_per_gpu": round(self.peak_gb, 2),
+        }
+
+
+def make_plan(cfg, cluster: Cluster, *, seq_len: int, concurrency: int, rollout_gpus: int = 0,
+              fixed_tp: int = 0, fixed_pp: int = 0) -> Plan:
+    m, mode = cfg.model, cfg.precision.mode
+    gpu_mem = cluster.gpu_mem_gb * GB
+    colocated = cfg.scheduler.mode == "colocated"
+    fp8_rollout = mode in ("jet", "fp8_rollout")
+    context_len = seq_len
+
+    # SGLang: the smallest TP whose weights + KV pool fit in mem_fraction (within one node).
+    server_tp, smem = 0, None
+    for t in (1, 2, 4, 8, 16):
+        if t > cluster.gpus_per_node or m.num_attention_heads % t:
+            continue
+        smem = server_memory(m, t, fp8=fp8_rollout, concurrency=concurrency, context_len=context_len,
+                             mem_fraction=cfg.rollout.mem_fraction, gpu_mem=gpu_mem)
+        if smem.fits:
+            server_tp = t
+            break
+    if not server_tp:
+        raise PlanError(f"launch: one SGLang server does not fit even at TP={cluster.gpus_per_node}: weights "
+                        f"{smem.weights / GB:.1f} GB + KV {smem.kv_pool / GB:.1f} GB per GPU > "
+                        f"{smem.budget / GB:.1f} GB; lower --concurrency / --seq-len or raise rollout.mem_fraction")
+
+    if colocated:
+        trainer_gpus, rollout_gpu_ids = cluster.gpus, list(range(cluster.gpus))
+    else:
+        rollout_gpus = rollout_gpus or max(server_tp, cluster.gpus // 2)
+        if cluster.nodes > 1 and rollout_gpus % cluster.gpus_per_node:
+            raise PlanError(f"launch: --rollout-gpus {rollout_gpus} must be whole nodes of {cluster.gpus_per_node} "
+                            "GPUs on a multi-node cluster")
+        if rollout_gpus % server_tp or rollout_gpus >= cluster.gpus:
+            raise PlanError(f"launch: --rollout-gpus {rollout_gpus} must be a multiple of the server TP {server_tp} "
+                            f"and leave GPUs for training (of {cluster.gpus})")
+        trainer_gpus = cluster.gpus - rollout_gpus
+        rollout_gpu_ids = list(range(trainer_gpus, cluster.gpus))
+    servers = []
+    for i in range(0, len(rollout_gpu_ids), server_tp):
+        ids = rollout_gpu_ids[i:i + server_tp]
+        servers.append((ids[0] // cluster.gpus_per_node, [g % cluster.gpus_per_node for g in ids]))
+
+    def fits(lay: Layout):
+        if not valid_tp(m, lay.tp, mode):
+            return False, f"TP={lay.tp} does not divide the heads/FFN/vocab in whole 128-row FP8 blocks"
+        if m.num_layers % lay.pp:
+            return False, f"PP={lay.pp} does not divide {m.num_layers} layers"
+        tm = trainer_memory(m, lay, mode=mode, params_dtype=cfg.precision.params_dtype,
+                            micro_batch=cfg.algo.micro_batch_size, seq_len=seq_len, recompute=cfg.parallel.recompute,
+                            distributed_optimizer=cfg.parallel.distributed_optimizer)
+        peak = tm.total
+        if colocated:  # the push: trainer params + FP8 cache next to the servers' weights (the rest offloaded)
+            push = (tm.params + tm.fp8_cache + OVERHEAD) * FRAGMENTATION + smem.weights
+            peak = max(peak, push, smem.budget + OVERHEAD)
+        ok = peak <= gpu_mem
+        return ok, (tm, peak)
+
+    per_node = min(cluster.gpus_per_node, trainer_gpus)
+    lay, tried = search_layouts(m, trainer_gpus, per_node, fits, fixed_tp, fixed_pp)
+    if lay is None:
+        best = min((d for _, d in tried if isinstance(d, tuple)), key=lambda d: d[1], default=None)
+        need = f"{best[1] / GB:.1f} GB per GPU at best" if best else "no valid layout"
+        knob = ("add nodes (--nodes), " + ("" if cfg.parallel.recompute == "full" else "set parallel.recompute=full, ")
+                + "lower algo.micro_batch_size or --seq-len"
+                + (", or use scheduler.mode=disaggregated" if colocated else ", or give training more GPUs (--rollout-gpus)"))
+        raise PlanError(f"launch: {m.model_type} ({param_counts(m).total / 1e9:.1f}B) does not fit {trainer_gpus} x "
+                        f"{cluster.gpu_mem_gb:g} GB for training: {need}; {knob}")
+    tm, peak = fits(lay)[1]
+    trainer_nodes = sorted({g // cluster.gpus_per_node for g in range(trainer_gpus)})
+    return Plan(cluster, cfg.scheduler.mode, lay, trainer_gpus, trainer_nodes, tm, server_tp, servers, smem,
+                peak / GB, tried, param_counts(m).total / 1e9)
+
+
+def server_urls(plan: Plan) -> list[tuple[int, int, str]]:
+    """(node, port, url) of every SGLang server."""
+    out, per_node = [], {}
+    for node, _ in plan.servers:
+        k = per_node[node] = per_node.get(node, -1) + 1
+        out.append((node, SERVER_BASE_PORT + k, f"http://{plan.cluster.hosts[node]}:{SERVER_BASE_PORT + k}"))
+    return out
+
+
+def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, admin_key: str, tokenizer: str | None):
+    """The run config the trainer gets: the planned layout, the fleet's addresses, the key."""
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, tensor_parallel=plan.layout.tp, pipeline_parallel=plan.layout.pp),
+        rollout=dataclasses.replace(cfg.rollout, engine="sglang", server_addresses=[u for *_, u in server_urls(plan)],
+                                    admin_api_key=admin_key, server_tp=plan.server_tp,
+                                    weight_transport="distributed" if plan.layout.pp == 1 else "disk"),
+        checkpoint=dataclasses.replace(cfg.checkpoint, load_path=ckpt_dir or cfg.checkpoint.load_path),
+        logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
+    if tokenizer:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer=tokenizer))
+    return dataclasses.replace(cfg)  # every cross-check again on the resolved tree
+
+
+def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ckpt_dir: str | None,
+             python: str = "python") -> dict[int, list[list[str]]]:
+    """Per node, in order. Servers (background) wait for the trainer's initial weights
+    (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup) and load them;
+    trainer nodes convert the HF checkpoint (if given) and train under torchrun."""
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import sglang_server_argv
+
+    c = plan.cluster
+    recipe = FP8Recipe.from_config(cfg.precision)
+    model_dir = os.path.join(cfg.logging.run_dir, "rollout", "weights")
+    out: dict[int, list[list[str]]] = {n: [] for n in range(c.nodes)}
+    env = ["env", *[f"{k}={v}" for k, v in TRAIN_ENV.items()]]
+    for (node, gpus), (_, port, _) in zip(plan.servers, server_urls(plan)):
+        argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated")
+        argv[argv.index("--host") + 1] = "0.0.0.0"
+        launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
+        out[node].append(["bash", "-c", f"until [ -f {shlex.quote(model_dir)}/config.json ]; do sleep 10; done; exec {launch}"])
+    master = c.hosts[plan.trainer_nodes[0]]
+    torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
+                f"--nproc-per-node={min(c.gpus_per_node, plan.trainer_gpus)}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={master}:{RDZV_PORT}", "--rdzv-id=jetrl"]
+    for rank, node in enumerate(plan.trainer_nodes):
+        base = [*env, *torchrun, f"--node-rank={rank}"]
+        if hf_checkpoint:
+            out[node].append([*base, "-m", "megatron_jetrl.cli", "convert", "hf-to-megatron", hf_checkpoint, ckpt_dir,
+                              f"parallel.tensor_parallel={plan.layout.tp}", f"parallel.pipeline_parallel={plan.layout.pp}"])
+        out[node].append([*base, "-m", "megatron_jetrl.cli", "train", "--config", config_path])
+    return out
+
+
+def main(argv=None) -> int:
+    from megatron_jetrl.config import ConfigError, load_config, save_config
+
+    ap = argparse.ArgumentParser(prog="jetrl launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", help="preset in examples/configs")
+    ap.add_argument("--config", help="YAML config")
+    ap.add_argument("--nodes", type=int, help="nodes (default SLURM_JOB_NUM_NODES or 1)")
+    ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (default SLURM_GPUS_ON_NODE or 8)")
+    ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GB (H100/H800 80, H200 141)")
+    ap.add_argument("--hosts", help="comma-separated host names (default from SLURM_JOB_NODELIST)")
+    ap.add_argument("--node-rank", type=int, help="this node's index (default SLURM_NODEID or 0)")
+    ap.add_argument("--seq-len", type=int, default=8192, help="prompt + response tokens per sample")
+    ap.add_argument("--concurrency", type=int, default=32, help="full-length sequences in flight per SGLang server (sizes its KV pool)")
+    ap.add_argument("--rollout-gpus", type=int, default=0, help="disaggregated: GPUs for the SGLang fleet")
+    ap.add_argument("--tp", type=int, default=0, help="force the trainer's tensor parallel size")
+    ap.add_argument("--pp", type=int, default=0, help="force the trainer's pipeline parallel size")
+    ap.add_argument("--hf-checkpoint", help="HF model dir: converted to a megatron checkpoint before training")
+    ap.add_argument("--run-dir", default=None, help="run directory (default logging.run_dir)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, memory and commands; start nothing")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    args = ap.parse_args(argv)
+    from megatron_jetrl.cli import _preset_path
+
+    path = args.config or (_preset_path(args.preset) if args.preset else None)
+    try:
+        cfg = load_config(path, args.overrides)
+        cluster = cluster_from(args)
+        plan = make_plan(cfg, cluster, seq_len=args.seq_len, concurrency=args.concurrency,
+                         rollout_gpus=args.rollout_gpus, fixed_tp=args.tp, fixed_pp=args.pp)
+    except (ConfigError, PlanError) as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    run_dir = os.path.abspath(args.run_dir or cfg.logging.run_dir)
+    config_path = os.path.join(run_dir, "launch_config.yaml")
+    ckpt_dir = os.path.join(run_dir, "mcore_init") if args.hf_checkpoint else None
+    admin_key = cfg.rollout.admin_api_key or os.environ.get("JETRL_ADMIN_API_KEY") or secrets.token_hex(16)
+    try:
+        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, admin_key, args.hf_checkpoint)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    cmds = commands(plan, resolved, config_path, hf_checkpoint=args.hf_checkpoint, ckpt_dir=ckpt_dir)
+    summary = plan.summary()
+    if args.json:
+        print(json.dumps({**summary, "commands": {str(k): [shlex.join(c) for c in v] for k, v in cmds.items()}}, indent=1))
+    else:
+        print(json.dumps(summary, indent=1))
+        for node, cs in cmds.items():
+            print(f"# node {node} ({cluster.hosts[node]})")
+            for c in cs:
+                print(shlex.join(c) + (" &" if c[0] == "bash" else ""))
+    if args.dry_run:
+        return 0
+    os.makedirs(run_dir, exist_ok=True)
+    save_config(resolved, config_path)
+    procs = []
+    for c in cmds[cluster.node_rank]:
+        if c[0] == "bash":  # a server: in the background
+            log = open(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"), "ab")
+            procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT))
+        else:
+            rc = subprocess.run(c).returncode
+            if rc:
+                break
+    else:
+        rc = 0
+    for p in procs:
+        p.terminate()
+    return rc

