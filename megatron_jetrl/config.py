@@ -184,6 +184,10 @@ class PrecisionConfig:
     """Weight-gradient GEMM precision in ``jet`` mode."""
     backend: Literal["auto", "scaled_mm", "emulated", "te"] = "auto"
     """FP8 GEMM backend: ``auto`` picks scaled_mm on Hopper+ and emulated elsewhere."""
+    small_m_max: int = 0
+    """Rollout forwards with at most this many tokens use the fused small-M Triton block-FP8 GEMM
+    (activation quantization inside) instead of cuBLAS; 0 = off. Set it from the crossover that
+    ``jetrl bench linear --decode`` prints for your GPU."""
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""

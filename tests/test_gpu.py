@@ -137,3 +137,19 @@ def test_jet_model_forward_backward_on_scaled_mm(tmp_path, megatron_single):
     (y_b, g_b), (y_j, g_j) = outs["bf16"], outs["jet"]
     assert 1e-4 < ((y_j - y_b).norm() / y_b.norm()).item() < 0.1
     assert ((g_j - g_b).norm() / g_b.norm()).item() < 0.2
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (16, 14336, 4096), (64, 4096, 14336), (256, 1024, 300)])
+def test_small_m_triton_gemm_bytes_and_result(M, N, K, scale_fmt):
+    """The fused small-M kernel quantizes x to the torch rule's bytes and computes the same GEMM."""
+    from megatron_jetrl.precision.triton_gemm import small_m_linear
+
+    recipe = FP8Recipe(scale_fmt=scale_fmt)
+    x = _x((M, K))
+    qw, sw = quantize_weight(_x((N, K), seed=1) * 0.02, recipe)
+    y, q, s = small_m_linear(x, qw, sw, recipe, torch.float32, return_quantized=True)
+    q_r, s_r = quantize_act(x, recipe, use_triton=False)
+    assert _same(q, q_r) and torch.equal(s, s_r)
+    ref = block_gemm(q_r, s_r, qw, sw, "emulated", torch.float32)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5

@@ -1,5 +1,7 @@
 """Precision core on CPU: quantizers vs an independent float64 statement of the rule, the FP8
 linear's gradients vs fp32 autograd, the weight cache, and the Megatron integration."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, q
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 F32 = np.float32
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def e4m3_rne(v: np.ndarray) -> np.ndarray:
@@ -185,3 +188,39 @@ def test_block_gemm_emulated_matches_definition():
     out = block_gemm(aq, as_, bq, bs, "emulated", torch.float32)
     ref = dequantize_act(aq, as_).double() @ dequantize_blocks(bq, bs, 128, 128).double().t()
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_small_m_triton_gemm_under_the_interpreter():
+    """The fused small-M kernel (CUDA in production) run by Triton's CPU interpreter: the activation
+    bytes and scales it uses are the precision core's Triton quantizer's, and its output is the
+    dequantized GEMM of those bytes. (The interpreter's own float->E4M3 cast mis-rounds at binade
+    edges, so the comparison is kernel-to-kernel here; tests/test_gpu.py compares against the torch
+    quantizer on the GPU.)"""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.quant import quantize_weight
+from megatron_jetrl.precision.triton_quant import quantize_act_triton
+from megatron_jetrl.precision.gemm import block_gemm
+from megatron_jetrl.precision.triton_gemm import small_m_linear
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    g = torch.Generator().manual_seed(0)
+    for M, N, K in ((1, 256, 384), (5, 384, 320), (33, 128, 256)):
+        x = torch.randn(M, K, generator=g) * 3
+        w = torch.randn(N, K, generator=g)
+        qw, ws = quantize_weight(w, r)
+        y, q, s = small_m_linear(x, qw, ws, r, torch.float32, return_quantized=True)
+        qr, sr = quantize_act_triton(x, r)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N, K)
+        ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
+        err = float((y - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, (fmt, M, N, K, err)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

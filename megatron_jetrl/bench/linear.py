@@ -42,6 +42,14 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
     ref = block_gemm(xq, xs, qw, sw, "emulated", torch.float32)
     out = block_gemm(xq, xs, qw, sw, backend, torch.float32)
     row["scaled_mm_vs_emulated_rel"] = ((out - ref).norm() / ref.norm()).item()
+    if not backward:  # decode: the fused small-M Triton GEMM (quantization inside) next to the others
+        from megatron_jetrl.precision.triton_gemm import small_m_linear
+
+        row["triton_small_m_ms"] = time_ms(lambda: small_m_linear(x, qw, sw, recipe))
+        row["triton_speedup"] = row["bf16_fwd_ms"] / row["triton_small_m_ms"]
+        row["triton_weight_TBps"] = (N * K + N * K // 16384 * 4) / row["triton_small_m_ms"] / 1e9
+        row["bf16_weight_TBps"] = 2 * N * K / row["bf16_fwd_ms"] / 1e9
+        row["triton_vs_emulated_rel"] = ((small_m_linear(x, qw, sw, recipe, torch.float32) - ref).norm() / ref.norm()).item()
     if backward:
         xg = x.clone().requires_grad_()
         wg = w.clone().requires_grad_()
@@ -78,7 +86,8 @@ def main(argv=None) -> list[dict]:
         for N, K in TRAIN_SHAPES:
             rows.append(bench_shape(args.tokens, N, K, recipe, backward=True))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
-    cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "act_quant_share_of_gemm",
+    cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "triton_small_m_ms", "triton_speedup",
+            "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "act_quant_share_of_gemm",
             "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
             "weight_quant_ms", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
     cols = [c for c in cols if c in rows[0]]
@@ -86,6 +95,11 @@ def main(argv=None) -> list[dict]:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    if args.decode:
+        # the largest M at which the fused kernel beats cuBLAS scaled_mm on every shape
+        ok = [M for M in DECODE_M if all(r["triton_small_m_ms"] < r["fp8_fwd_ms"] for r in rows if r["M"] == M)]
+        best = max((M for M in ok if all(m in ok for m in DECODE_M if m <= M)), default=0)
+        print(f"suggested precision.small_m_max={best} (copy-bandwidth ceiling 4.2 TB/s on H200)")
     dump_json(args.json, rows)
     return rows
 

@@ -39,6 +39,9 @@ class FP8ModelState:
         self.recipe = recipe
         self.requested_backend = backend
         self.version = 0
+        # Inference forwards with at most this many tokens use the fused small-M Triton GEMM
+        # (precision.small_m_max; 0 = off).
+        self.small_m_max = 0
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
 
@@ -166,6 +169,15 @@ class FP8LinearMixin:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         qweight, scale_inv = self.fp8_weight()
         cache = self.fp8_cache
+        M = input.numel() // input.shape[-1]
+        if (not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
+                and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
+            from megatron_jetrl.precision.triton_gemm import small_m_linear
+
+            out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe)
+            if cache.inv_perm is not None:
+                out = out.index_select(-1, cache.inv_perm.to(out.device))
+            return out if bias is None else out + bias
         out = FP8LinearFunction.apply(input, weight, qweight, scale_inv, cache.inv_perm, cache.perm,
                                       self.fp8_state.recipe, self.fp8_backend)
         return out if bias is None else out + bias

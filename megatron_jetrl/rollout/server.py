@@ -91,7 +91,8 @@ def _is_int_list(x) -> bool:
 class ServeEngine:
     """The model, the engine over it, and the weight-update state machine."""
 
-    def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto"):
+    def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto",
+                 small_m_max: int = 0):
         from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
         from megatron_jetrl.distributed import init_distributed
         from megatron_jetrl.models.builder import DTYPES, build_model
@@ -111,6 +112,7 @@ class ServeEngine:
         self.recipe = FP8Recipe.from_config(self.precision)
         self.dtype = DTYPES[params_dtype]
         self.model, self.fp8_state = build_model(self.model_cfg, ParallelConfig(), self.recipe, self.dtype, backend)
+        self.fp8_state.small_m_max = small_m_max
         load_hf_weights(self.model, self.model_cfg, model_path, self.fp8_state)
         self.engine = LocalEngine(self.model, self.fp8_state, pad_id=0, seed=seed,
                                   vocab_size=self.model_cfg.vocab_size, model_cfg=self.model_cfg)
@@ -467,7 +469,7 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"jetrl serve: --host {args.host} is reachable from other machines; "
                          "give --admin-api-key to guard the weight and memory endpoints")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend)
+    state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max)
     state.weight_version = str(args.weight_version)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state, args.admin_api_key,
                                                                       int(args.max_body_mb * (1 << 20))))
@@ -492,6 +494,8 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="required when --host is not loopback; guards weight/memory endpoints (env JETRL_ADMIN_API_KEY)")
     ap.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--backend", default="auto", choices=["auto", "scaled_mm", "emulated"])
+    ap.add_argument("--small-m-max", type=int, default=0,
+                    help="decode forwards with <= this many tokens use the fused small-M FP8 GEMM (0 = off)")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

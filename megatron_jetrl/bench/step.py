@@ -1,0 +1,119 @@
+"""``jetrl bench step``: full RL steps (rollout, reward, logprob recompute, train, FP8
+re-quantization, weight hand-over) per precision mode, side by side in one run.
+
+Each mode runs the same preset (same seed, prompts, batch sizes) colocated on this machine with the
+in-process engine, for ``--steps`` measured RL steps after ``--warmup`` steps. It prints the median
+time of each phase, the end-to-end step time and the ratio to ``bf16`` measured in the same run,
+the share of FP8 re-quantization + hand-over in the step, the peak CUDA memory, and writes one
+stacked phase-time PNG for all modes (``--plot``) and the rows as JSON (``--json``).
+
+On CPU this runs (the tiny preset) to check the harness; speed claims are GPU runs recorded in
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+
+import torch
+
+from megatron_jetrl.bench.timing import dump_json
+
+PHASES = ("rollout", "logprob", "train", "weight_sync")
+
+
+def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.train import close, rl_step, setup
+
+    cfg = load_config(preset_path, [*overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
+                                    f"steps={steps + warmup}", "logging.tensorboard=false",
+                                    f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])
+    run = setup(cfg)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    rows = []
+    try:
+        for step in range(steps + warmup):
+            m = rl_step(run, step)
+            if step >= warmup:
+                rows.append(m)
+    finally:
+        close(run)
+    out = {"mode": mode}
+    for p in PHASES:
+        out[p] = statistics.median(r[f"time_{p}"] for r in rows)
+    out["requant"] = statistics.median(r.get("time_fp8_requant", 0.0) for r in rows)
+    out["step"] = statistics.median(sum(r[f"time_{p}"] for p in PHASES) for r in rows)
+    out["requant_handover_share"] = (out["requant"] + out["weight_sync"]) / out["step"]
+    out["mismatch_abs_mean"] = statistics.mean(r["mismatch_abs_mean"] for r in rows)
+    out["tokens_per_s_rollout"] = float(statistics.median(float(r["tokens_per_s"]) for r in rows))
+    out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    del run
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    left = [0.0] * len(rows)
+    colors = {"rollout": "#4c72b0", "logprob": "#dd8452", "train": "#55a868", "weight_sync": "#c44e52"}
+    for p in PHASES:
+        vals = [r[p] for r in rows]
+        ax.barh([r["mode"] for r in rows], vals, left=left, label=p, color=colors[p])
+        left = [a + b for a, b in zip(left, vals)]
+    base = next((r["step"] for r in rows if r["mode"] == "bf16"), None)
+    for i, r in enumerate(rows):
+        ax.text(left[i], i, f"  {r['step']:.3g} s" + (f" ({base / r['step']:.2f}x)" if base else ""), va="center")
+    ax.set_xlabel("seconds per RL step (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> list[dict]:
+    from megatron_jetrl.cli import _preset_path
+
+    ap = argparse.ArgumentParser(prog="jetrl bench step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--modes", default="bf16,fp8_rollout,jet")
+    ap.add_argument("--steps", type=int, default=5, help="measured RL steps per mode")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--plot", help="write the phase-time PNG here")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
+    args = ap.parse_args(argv)
+    rows = [run_mode(_preset_path(args.preset), m, args.overrides, args.steps, args.warmup) for m in args.modes.split(",")]
+    base = next((r for r in rows if r["mode"] == "bf16"), None)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
+    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "tokens_per_s_rollout", "peak_GiB"]
+    print("| " + " | ".join(cols) + (" | step speedup vs bf16 | rollout speedup | train-phase speedup |" if base else " |"))
+    print("|" + "---|" * (len(cols) + (3 if base else 0)))
+    for r in rows:
+        cells = [f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        if base:
+            cells += [f"{base['step'] / r['step']:.3f}", f"{base['rollout'] / r['rollout']:.3f}",
+                      f"{(base['logprob'] + base['train']) / (r['logprob'] + r['train']):.3f}"]
+        print("| " + " | ".join(cells) + " |")
+    if args.plot:
+        print(f"plot: {plot(rows, args.plot, f'{dev}, preset {args.preset}')}")
+    dump_json(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
