@@ -298,6 +298,7 @@ def _loop(run: Run) -> None:
                          if k in metrics})
         last = step == total - 1
         if last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0):
+            run.actor.reload()  # a colocated hand-over leaves the optimizer state on the host
             save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
 
 

@@ -40,7 +40,6 @@ def test_preset_loads_and_round_trips(tmp_path):
     (["rollout.engine=sglang", "parallel.pipeline_parallel=2"], r"rollout.weight_transport: distributed sends from one rank"),
     (["rollout.server_addresses=[localhost:3000]"], r"rollout.server_addresses: 'localhost:3000' is not a URL; write http://host:port"),
     (["rollout.mem_fraction=1.5"], r"rollout.mem_fraction: 1.5 not in \(0, 1\)"),
-    (["precision.backend=te"], r"precision.backend: the TransformerEngine backend is not implemented yet"),
 ])
 def test_bad_config_one_line_errors(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern) as e:
