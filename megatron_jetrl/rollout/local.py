@@ -14,6 +14,9 @@ from megatron_jetrl.rollout.base import Generation, SamplingParams, sample_next
 from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
 
+SYNC_EVERY = 8
+
+
 class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
                  model_cfg=None):
@@ -67,7 +70,9 @@ class LocalEngine:
                     out_ids.append(ids)
                     out_lp.append(lp)
                     done |= torch.isin(ids, stops)
-                    if t == params.max_new_tokens - 1 or bool(done.all()):
+                    # the all-stopped check syncs with the host: every SYNC_EVERY tokens, not per token
+                    # (tokens drawn after a row stopped are pad and trimmed below)
+                    if t == params.max_new_tokens - 1 or (t % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all())):
                         break
                     key_pad = torch.cat([key_pad, torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
                     pos = torch.full((B, 1), P + t, device=dev)
