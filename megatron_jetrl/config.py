@@ -255,6 +255,9 @@ class RolloutConfig:
     """Fleet: restarts per server before the run fails."""
     deterministic: bool = False
     """SGLang ``--enable-deterministic-inference`` (batch-invariant kernels)."""
+    router: bool = False
+    """Put sglang-router (``pip install sglang-router``) in front of the servers: generation goes
+    through it (its load balancing, retries, circuit breaker); weight updates go to every server."""
     admin_api_key: Optional[str] = None
     """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback."""
 

@@ -21,4 +21,7 @@ python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang
 # What sglang.srt.server_args needs to import (the launch-argument test parses our arguments with
 # SGLang's own ServerArgs); all pure Python or small wheels, none of them pulls torch.
 pip install -q orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow ipython 2>&1 | grep -v -i warning || true
+# sglang-router (a Rust binary in a 30 MB wheel): the fleet test runs the real router in front of
+# two `jetrl serve` workers.
+pip install -q "sglang-router==0.3.2" 2>&1 | grep -v -i warning || true
 python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"

@@ -41,11 +41,16 @@ import torch
 
 log = logging.getLogger("jetrl.serve")
 
+# Fields a router (sglang-router) fills in when it forwards /generate: accepted at their default
+# values, refused when they ask for something this server does not do.
+GENERATE_PASSTHROUGH = {"model", "return_text_in_logprobs", "log_metrics", "return_hidden_states", "background",
+                        "no_logs", "return_bytes", "return_entropy", "top_logprobs_num", "return_routed_experts"}
+IGNORED_WHEN_SET = {"model", "log_metrics", "no_logs"}
 # Request fields accepted per endpoint: the names of SGLang's io_struct request classes (a test
 # checks each set against SGLang's source). Fields SGLang has and we ignore are listed too.
 REQUEST_FIELDS = {
     "/generate": ("GenerateReqInput", {"rid", "input_ids", "sampling_params", "return_logprob",
-                                      "logprob_start_len", "stream", "text"}),
+                                      "logprob_start_len", "stream", "text"} | GENERATE_PASSTHROUGH),
     "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput", {
         "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
         "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache"}),
@@ -136,6 +141,8 @@ class ServeEngine:
         from megatron_jetrl.rollout.base import SamplingParams
 
         _need(body.get("text") is None, "text: jetrl serve takes token ids; send input_ids")
+        for k in GENERATE_PASSTHROUGH - IGNORED_WHEN_SET:
+            _need(not body.get(k), f"{k}: not supported by jetrl serve; leave it unset")
         _need(not body.get("stream"), "stream: not supported by jetrl serve; send stream=false")
         ids = body.get("input_ids")
         single = _is_int_list(ids) and len(ids) > 0

@@ -71,6 +71,15 @@ def sglang_server_argv(cfg, recipe, model_dir: str, port: int, base_gpu_id: int 
     return argv
 
 
+def router_argv(cfg, worker_urls: list[str], port: int) -> list[str]:
+    """``python -m sglang_router.launch_router`` in front of ``worker_urls``."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", "round_robin", "--prometheus-port", str(free_port()),
+            "--request-timeout-secs", str(int(cfg.rollout.request_timeout_s)), "--max-payload-size", str(1 << 30),
+            # a restarted server rejoins within seconds, not the default minute
+            "--health-check-interval-secs", "5", "--cb-timeout-duration-secs", "10"]
+
+
 def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
     """``jetrl serve`` arguments for worker ``index`` of this run."""
     argv = ["--model-path", model_dir, "--port", str(port), "--params-dtype", cfg.precision.params_dtype,
@@ -155,7 +164,7 @@ class SGLangClient:
             sp["sampling_seed"] = seed
         body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True}
         if rid:
-            body["rid"] = [f"{rid}-{i}" for i in range(len(prompts))]
+            body["rid"] = rid  # a prefix: SGLang expands it per item (sglang-router takes only a string)
         out = self.request("/generate", body)
         return parse_generate_response(out, prompts, self.url)
 
@@ -321,6 +330,11 @@ class RolloutFleet:
         offset = 1
         for s in self.servers:
             s.rank_offset, offset = offset, offset + s.tp
+        self.router: Optional[Server] = None
+        if r.router:
+            port = free_port()
+            self.router = Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s), router_argv(cfg, self.urls, port),
+                                 os.path.join(run_dir, "rollout_logs", "router.log"))
 
     # -- lifecycle
     def start(self) -> None:
@@ -331,6 +345,9 @@ class RolloutFleet:
             with ThreadPoolExecutor(max(1, len(self.servers))) as ex:
                 list(ex.map(lambda s: s.wait_healthy(self.cfg.rollout.health_timeout_s) if s.cmd else self._attach(s),
                             self.servers))
+            if self.router is not None:
+                self.router.start()
+                self.router.wait_healthy(120)
         except BaseException:
             self.shutdown()  # no orphan servers when one of them fails to start
             raise
@@ -352,7 +369,7 @@ class RolloutFleet:
 
             dist.destroy_process_group(self._group)
             self._group = None
-        for s in self.servers:
+        for s in self.servers + ([self.router] if self.router is not None else []):
             if s.cmd:
                 s.stop()
 
@@ -371,6 +388,10 @@ class RolloutFleet:
         pending, retries, last_error = chunks, 0, ""
         while pending:
             up = [s for s in self.servers if s.up]
+            if self.router is not None:  # the router balances over the servers it sees healthy
+                if retries > 4 * len(chunks):
+                    raise ServerError(f"rollout through the router keeps failing (last error: {last_error})")
+                up = [self.router] if up else []
             if not up:
                 raise ServerError(f"no rollout server is up (last error: {last_error}); see rollout_logs/ in the run directory")
             with ThreadPoolExecutor(max(1, min(len(pending), 4 * len(up)))) as ex:
@@ -385,7 +406,12 @@ class RolloutFleet:
                         raise  # our request is wrong: retrying elsewhere would fail the same way
                     log.warning("rollout server %s failed (%s); chunk %d retried elsewhere", s.client.url, e, c)
                     last_error = str(e)
-                    s.up = False
+                    if s is self.router:  # which server failed: the ones not answering their health check
+                        for w in self.servers:
+                            if w.up and not w.client.healthy(timeout_s=2.0):
+                                w.up = False
+                    else:
+                        s.up = False
                     failed.append((c, idx))
             retries += len(failed)
             pending = failed
