@@ -34,16 +34,15 @@ def reference_blocks(x: np.ndarray, br: int, bc: int, scale_fmt: str):
     rb, cb = -(-rows // br), -(-cols // bc)
     q = np.zeros_like(x)
     s = np.zeros((rb, cb))
-    inv448 = float(F32(1.0 / 448.0))
     for i in range(rb):
         for j in range(cb):
             blk = x[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
             amax = max(float(F32(1e-10)), float(np.abs(blk).max()))
             if scale_fmt == "fp32":
-                scale_inv = float(F32(amax * inv448))
+                scale_inv = float(F32(amax / 448.0))  # float64 quotient rounded once to fp32
                 mult = float(F32(448.0 / amax))
             else:
-                y = float(F32(amax * inv448))
+                y = float(F32(amax / 448.0))
                 m, e = np.frexp(y)
                 e = e - 1 if m == 0.5 else e
                 scale_inv, mult = 2.0 ** e, 2.0 ** -e
@@ -224,3 +223,71 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _sglang_fp8_utils_reference():
+    """SGLang's own block quantizer (``per_block_cast_to_fp8`` + ``ceil_to_ue8m0`` in
+    srt/layers/quantization/fp8_utils.py, copied there from DeepGEMM): that module does not import
+    on a CPU machine (its CUDA kernel deps), so the two functions' source is read from SGLang's file
+    and executed as written."""
+    import ast
+    import importlib.metadata
+
+    try:
+        path = str(importlib.metadata.distribution("sglang").locate_file("sglang/srt/layers/quantization/fp8_utils.py"))
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sglang is not installed")
+    text = open(path).read()
+    fns = {n.name: ast.get_source_segment(text, n) for n in ast.parse(text).body
+           if isinstance(n, ast.FunctionDef) and n.name in ("per_block_cast_to_fp8", "ceil_to_ue8m0")}
+    ns = {"torch": torch, "Tuple": tuple, "ceil_align": lambda x, a: -(-x // a) * a}
+    exec(fns["ceil_to_ue8m0"], ns)
+    exec(fns["per_block_cast_to_fp8"], ns)
+    return ns["per_block_cast_to_fp8"]
+
+
+def _blocks_differing(q, qr, rows_blk, cols_blk):
+    d = (q.view(torch.uint8) != qr.view(torch.uint8)).float()
+    d = torch.nn.functional.pad(d, (0, cols_blk * 128 - d.shape[1], 0, rows_blk * 128 - d.shape[0]))
+    return d.view(rows_blk, 128, cols_blk, 128).sum((1, 3))
+
+
+def test_quantized_weights_vs_sglang_and_modelopt_references():
+    """Our 128x128 weight quantizer against SGLang's reference quantizers and nvidia-modelopt's
+    block quantizer on a [1000, 1300] weight (not 128-aligned) with a zero block and a block of
+    magnitude 1e-6. Differences, all explained:
+    - ordinary blocks: bytes and scales identical to all of them (fp32 scales and ue8m0);
+    - the zero block: modelopt divides by amax/448 = 0 (NaN bytes); SGLang and we clamp amax;
+    - the 1e-6 block: SGLang clamps amax at 1e-4 (so those weights round to ~0 in FP8), we at
+      1e-10 (the block keeps its resolution); modelopt has no clamp and agrees with us;
+    - modelopt on a bf16 tensor computes amax/448 and the division in bf16 (we always in fp32)."""
+    from sglang.benchmark.deepseek_utils import per_block_cast_to_fp8 as sglang_fp32  # pure torch
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 1300, generator=g) * torch.exp(torch.randn(1000, 1, generator=g))
+    w[:128, :128] = 0
+    w[128:256, :128] *= 1e-6
+    ordinary = torch.ones(8, 11, dtype=torch.bool)
+    ordinary[0, 0] = ordinary[1, 0] = False
+
+    q, s = quantize_weight(w, FP8Recipe(scale_fmt="fp32"), use_triton=False)
+    qs, ss = sglang_fp32(w)
+    d = _blocks_differing(q, qs, 8, 11)
+    assert torch.equal(s[ordinary], ss[ordinary]) and d[ordinary].sum() == 0 and d[0, 0] == 0
+    assert d[1, 0] > 16000  # the 1e-6 block: SGLang's 1e-4 clamp flushes it
+
+    qu, su = quantize_weight(w, FP8Recipe(scale_fmt="ue8m0"), use_triton=False)
+    qsu, ssu = _sglang_fp8_utils_reference()(w)
+    d = _blocks_differing(qu, qsu, 8, 11)
+    assert torch.equal(su[ordinary], ssu[ordinary]) and d[ordinary].sum() == 0 and d[1, 0] > 16000
+
+    try:
+        from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
+    except ImportError as e:
+        pytest.skip(f"nvidia-modelopt does not import here ({e}); tools/setup_env.sh installs it")
+    mq, ms = FP8QTensor.quantize(w, block_sizes={-1: 128, -2: 128})
+    d = _blocks_differing(q, mq._quantized_data, 8, 11)
+    assert torch.equal(s[ordinary], ms[ordinary]) and d[ordinary].sum() == 0 and d[1, 0] == 0
+    assert torch.isnan(mq._quantized_data[:128, :128].float()).all()  # 0 / 0
+    mqb, msb = FP8QTensor.quantize(w.bfloat16(), block_sizes={-1: 128, -2: 128})
+    assert msb.dtype == torch.bfloat16 and not torch.equal(msb.float()[ordinary], s[ordinary])

@@ -24,4 +24,9 @@ pip install -q orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow i
 # sglang-router (a Rust binary in a 30 MB wheel): the fleet test runs the real router in front of
 # two `jetrl serve` workers.
 pip install -q "sglang-router==0.3.2" 2>&1 | grep -v -i warning || true
+# nvidia-modelopt's block-FP8 quantizer, compared with ours in tests/test_precision.py: no deps
+# (it would pull a CUDA torch), plus the three its quantization package imports.
+python -c "import modelopt" 2>/dev/null || \
+  pip install -q --no-deps "nvidia-modelopt==0.47.0" 2>&1 | grep -v -i warning || true
+pip install -q omegaconf pulp scipy 2>&1 | grep -v -i warning || true
 python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"
