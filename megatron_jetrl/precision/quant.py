@@ -19,29 +19,26 @@ import torch
 
 from megatron_jetrl.precision.recipe import FP8Recipe
 
-_FMAX = {}  # fp32(448) per fp8_max, as 0-d float32 tensors per device
+_INV_MAX = {}  # fp32(1/448), fp32(448) per fp8_max, as 0-d float32 tensors per device
 
 
-def _fmax(recipe: FP8Recipe, device) -> torch.Tensor:
+def _consts(recipe: FP8Recipe, device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (recipe.fp8_max, str(device))
-    if key not in _FMAX:
-        _FMAX[key] = torch.tensor(recipe.fp8_max, dtype=torch.float32, device=device)
-    return _FMAX[key]
+    if key not in _INV_MAX:
+        _INV_MAX[key] = (torch.tensor(1.0 / recipe.fp8_max, dtype=torch.float32, device=device),
+                         torch.tensor(recipe.fp8_max, dtype=torch.float32, device=device))
+    return _INV_MAX[key]
 
 
 def scales_from_amax(amax: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 amax per block -> (scale_inv, multiplier applied to x before the cast).
-
-    ``scale_inv = amax / 448`` and ``multiplier = 448 / amax``, both correctly rounded divisions:
-    the scales SGLang's and DeepGEMM's reference quantizers and nvidia-modelopt's write
-    (``amax * fp32(1/448)`` would differ from them in the last bit for some blocks)."""
-    fmax = _fmax(recipe, amax.device)
+    """float32 amax per block -> (scale_inv, multiplier applied to x before the cast)."""
+    inv_max, fmax = _consts(recipe, amax.device)
     amax = amax.float().clamp_min(recipe.amax_eps)
     if recipe.scale_fmt == "fp32":
-        return amax / fmax, fmax / amax
+        return amax * inv_max, fmax / amax
     # ue8m0: exact ceil(log2(y)) from the float's exponent (frexp: y = m * 2^e, m in [0.5, 1)),
     # so no transcendental rounding can move a power-of-two boundary.
-    mant, exp = torch.frexp(amax / fmax)
+    mant, exp = torch.frexp(amax * inv_max)
     e = torch.where(mant == 0.5, exp - 1, exp).float()
     return torch.exp2(e), torch.exp2(-e)
 

@@ -25,7 +25,7 @@ from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
 @triton.jit
 def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K,
                     stride_xm, stride_wn, stride_wsn, stride_ym, stride_qm, stride_sm,
-                    fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     UE8M0: tl.constexpr, STORE_Q: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -38,7 +38,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K,
         xm = (rows[:, None] < M) & (k[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-        x_scale, mult = _scale_and_multiplier(amax, fmax, UE8M0)
+        x_scale, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
         xq = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
         if STORE_Q:  # for tests: the quantized activations, to compare with quant.quantize_act
             tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], xq, mask=xm)
@@ -75,7 +75,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if M:
         _small_m_kernel[grid](x2, qweight, w_scale, y, q, s, M, N, K, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), y.stride(0), q.stride(0) if return_quantized else 0,
-                              s.stride(0) if return_quantized else 0, recipe.fp8_max,
+                              s.stride(0) if return_quantized else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
                               recipe.amax_eps, G=G, BLOCK_M=block_m, BLOCK_N=block_n,
                               UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized, num_warps=4)
     y = y.view(*lead, N)

@@ -16,25 +16,23 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 
 
 @triton.jit
-def _scale_and_multiplier(amax, fmax, UE8M0: tl.constexpr):
-    """The recipe's rule per group: (scale_inv, multiplier applied before the E4M3 cast); both
-    divisions IEEE round-to-nearest (``div_rn``), as ``quant.scales_from_amax``."""
-    fmax_t = tl.full(amax.shape, fmax, tl.float32)
+def _scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
+    """The recipe's rule per group: (scale_inv, multiplier applied before the E4M3 cast)."""
     if UE8M0:
-        y = tl.math.div_rn(amax, fmax_t)
+        y = amax * inv_max
         bits = y.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         scale_inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
         mult = ((127 - e) << 23).to(tl.float32, bitcast=True)
     else:
-        scale_inv = tl.math.div_rn(amax, fmax_t)
-        mult = tl.math.div_rn(fmax_t, amax)
+        scale_inv = amax * inv_max
+        mult = tl.math.div_rn(tl.full(amax.shape, fmax, tl.float32), amax)
     return scale_inv, mult
 
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                      fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                      inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
                       UE8M0: tl.constexpr):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -43,7 +41,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-    scale_inv, mult = _scale_and_multiplier(amax, fmax, UE8M0)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
@@ -66,7 +64,7 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
         block_m = 16 if M >= 4096 else 4
         grid = (triton.cdiv(M, block_m), ng)
         _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                recipe.fp8_max, recipe.amax_eps, G=G,
+                                1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                 BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", num_warps=4)
     if scale_col_major:
         return q.view(*lead, K), s
@@ -75,7 +73,7 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
 
 @triton.jit
 def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, stride_qc, stride_sc,
-                    fmax, eps, G: tl.constexpr, DEQUANT: tl.constexpr,
+                    inv_max, fmax, eps, G: tl.constexpr, DEQUANT: tl.constexpr,
                     TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr, TRANSPOSE: tl.constexpr):
     # Tile [G rows (r), G cols (c)] of x [R, C]. TRANSPOSE: writes y = x^T [C, R] quantized with
     # groups of G along r: one scale per output row (1xG, TILE_SCALE=False) or per tile (GxG).
@@ -94,7 +92,7 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         amax = tl.full((G,), 0.0, tl.float32) + amax
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
-    scale_inv, mult = _scale_and_multiplier(amax, fmax, UE8M0)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
     if TRANSPOSE:
         tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
@@ -123,7 +121,7 @@ def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: b
     if R and C:
         xs = x_scale.contiguous() if x_scale is not None else s
         _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
-                                  recipe.fp8_max, recipe.amax_eps, G=G,
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                   DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
                                   UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, num_warps=8)
     return q, s
@@ -139,7 +137,7 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Te
     s = torch.empty((rb, cb), dtype=torch.float32, device=w.device)
     if R and C:
         _quant_t_kernel[(rb, cb)](w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
-                                  recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
                                   TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
                                   num_warps=8)
     return q, s
