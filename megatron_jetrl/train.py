@@ -152,12 +152,12 @@ def setup(cfg: JetConfig) -> Run:
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                               cfg.rollout.top_k, (tok.eos_id,))
     run = Run(cfg, tok, actor, engine, stream, get_reward(cfg.data.reward), logger, sampling, start, ckpt_dir)
-    if engine is None:  # a fleet starts from the trainer's current weights, written to the run dir
-        model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
-        run.engine = start_fleet(cfg, recipe, model_dir)
     from megatron_jetrl.scheduler import make_scheduler
 
     run.scheduler = make_scheduler(run)
+    if engine is None:  # last: a fleet starts from the trainer's current weights, written to the run dir
+        model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
+        run.engine = start_fleet(cfg, recipe, model_dir)
     return run
 
 

@@ -108,9 +108,12 @@ class Disaggregated(_Base):
             self.ahead = self.pool.submit(self._launch, step)
         samples, prompts, gens = self.ahead.result()
         m = {"rollout_wait_s": time.perf_counter() - t0, **run.engine.metrics}
-        # Next step's rollout runs on the fleet (with the weights it has now) while this one trains.
-        self._stream_before_ahead = run.stream.state_dict()
-        self.ahead = self.pool.submit(self._launch, step + 1)
+        # Next step's rollout runs on the fleet (with the weights it has now) while this one trains
+        # (not after the last step: nothing would consume it).
+        self.ahead = None
+        if step + 1 < run.cfg.algo.sft_warmup_steps + run.cfg.steps:
+            self._stream_before_ahead = run.stream.state_dict()
+            self.ahead = self.pool.submit(self._launch, step + 1)
         m["rollout_staleness"] = float(step - min(g.weight_version for g in gens))  # weights of step v = v updates
         return samples, prompts, gens, m
 
