@@ -283,6 +283,9 @@ class AlgoConfig:
     """Linear warm-up optimizer steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    fused_adam: bool = True
+    """When megatron-core falls back to torch's Adam (no TransformerEngine/apex FusedAdam), run it
+    as torch's fused single-kernel Adam instead of the per-tensor foreach loop."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     clip_eps_low: float = 0.2

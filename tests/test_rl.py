@@ -118,3 +118,32 @@ def test_other_precision_modes_train(mode, tmp_path):
         assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)
     else:  # same BF16/fp32 numbers on both sides
         assert all(r["mismatch_abs_mean"] < 1e-5 and r["parity_checked"] == 0 for r in rl)
+
+
+def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
+    """Without TE/apex, megatron-core builds torch's Adam; algo.fused_adam switches it to torch's
+    fused kernel (the same update as the foreach path: compared on a real step)."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.train import close, setup, sft_step
+
+    calls = []
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    results = {}
+    for fused in (True, False):
+        cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
+                          [f"logging.run_dir={tmp_path / str(fused)}", "steps=1", "algo.sft_warmup_steps=2",
+                           "rollout.prompts_per_step=2", f"algo.fused_adam={str(fused).lower()}"])
+        run = setup(cfg)
+        try:
+            n = len(calls)
+            assert run.actor.fused_adam is fused
+            sft_step(run)
+            sft_step(run)
+            assert (len(calls) > n) is fused
+            results[fused] = [p.detach().clone() for p in run.actor.module.parameters()]
+        finally:
+            close(run)
+    for a, b in zip(results[True], results[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

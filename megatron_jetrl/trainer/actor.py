@@ -112,6 +112,22 @@ def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: 
     return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
 
 
+def _fuse_torch_adam(opt) -> bool:
+    """Switch megatron's torch-Adam fallback to torch's fused kernel (same math, one kernel per
+    group instead of a foreach loop over tensors). TE's/apex's FusedAdam are left alone. Returns
+    whether any group was switched."""
+    switched = False
+    for inner in getattr(opt, "chained_optimizers", None) or [opt]:
+        torch_opt = getattr(inner, "optimizer", None)
+        if type(torch_opt) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in torch_opt.param_groups:
+            if all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+                switched = True
+    return switched
+
+
 class Actor:
     def __init__(self, model, fp8_state: FP8ModelState, algo: AlgoConfig, parallel: ParallelConfig,
                  params_dtype: torch.dtype, total_steps: int, temperature: float = 1.0):
@@ -133,6 +149,7 @@ class Actor:
                                   clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,
                                   params_dtype=params_dtype, use_distributed_optimizer=use_dist_opt)
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.fused_adam = algo.fused_adam and _fuse_torch_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr, min_lr=algo.lr,
             lr_warmup_steps=algo.lr_warmup_steps, lr_decay_steps=max(total_steps, algo.lr_warmup_steps + 1),
