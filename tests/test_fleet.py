@@ -202,6 +202,33 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
         fleet.shutdown()
 
 
+def test_fleet_restarts_a_hung_server(fp8_dir, tmp_path):
+    """A server that stops answering within rollout.request_timeout_s (its /health still answers)
+    has its chunks retried elsewhere and is restarted by the next heal."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    cfg = load_config(None, ["rollout.engine=serve", "rollout.num_servers=2", "rollout.chunk_size=2",
+                             "rollout.request_timeout_s=3", "precision.params_dtype=fp32",
+                             "scheduler.mode=disaggregated", f"logging.run_dir={tmp_path}"])
+    fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(tmp_path), fp8_dir, colocated=False)
+    fleet.start()
+    try:
+        prompts = [[i + 1, 7] for i in range(8)]
+        reference = fleet.generate(prompts, PARAMS, seed=3)
+        victim = fleet.servers[0]
+        victim.client.request("/slow_down", {"forward_sleep_time": 30.0})
+        gens = fleet.generate(prompts, PARAMS, seed=3)
+        assert [g.output_ids for g in gens] == [g.output_ids for g in reference]
+        assert victim.hung and not victim.up and victim.client.healthy()  # hung, yet /health answers
+        old_pid = victim.proc.pid
+        assert fleet.heal() == 1 and victim.up and not victim.hung and victim.proc.pid != old_pid
+        assert [g.output_ids for g in fleet.generate(prompts, PARAMS, seed=3)] == [g.output_ids for g in reference]
+    finally:
+        fleet.shutdown()
+
+
 def _metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

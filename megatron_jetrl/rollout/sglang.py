@@ -20,6 +20,7 @@ import base64
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +41,12 @@ log = logging.getLogger("jetrl.fleet")
 
 
 class ServerError(RuntimeError):
-    """A server failed a request (connection, timeout, HTTP error or a malformed answer)."""
+    """A server failed a request (connection, timeout, HTTP error or a malformed answer);
+    ``timed_out``: it did not answer within the request timeout (hung)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def free_port() -> int:
@@ -124,7 +130,9 @@ class SGLangClient:
                 raise ServerError(f"{self.url}{path}: HTTP {e.code}: {str(detail).strip().splitlines()[0] if detail else ''}") from None
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 if attempt == retries:
-                    raise ServerError(f"{self.url}{path}: {getattr(e, 'reason', e)}") from None
+                    reason = getattr(e, "reason", e)
+                    raise ServerError(f"{self.url}{path}: {reason}",
+                                      timed_out=isinstance(reason, TimeoutError)) from None
                 time.sleep(0.5 * (attempt + 1))
 
     # -- health and info
@@ -252,6 +260,7 @@ class Server:
     log_path: Optional[str] = None
     proc: Optional[subprocess.Popen] = None
     up: bool = False
+    hung: bool = False                   # a request timed out: restart it even if /health answers
     restarts: int = 0
     rank_offset: int = 0
     tp: int = 1
@@ -276,13 +285,17 @@ class Server:
         raise ServerError(f"{self.client.url}: not healthy after {timeout_s:.0f} s (rollout.health_timeout_s); see {self.log_path}")
 
     def stop(self) -> None:
+        """Terminate the server's whole process group (SGLang's scheduler/detokenizer children hold
+        GPU memory), SIGKILL after 15 s."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
             try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            except ProcessLookupError:
+                pass
         if self.log_file is not None:
             self.log_file.close()
             self.log_file = None
@@ -412,6 +425,7 @@ class RolloutFleet:
                                 w.up = False
                     else:
                         s.up = False
+                        s.hung = s.hung or e.timed_out
                     failed.append((c, idx))
             retries += len(failed)
             pending = failed
@@ -423,7 +437,7 @@ class RolloutFleet:
         """Restart dead servers (ours). Called right before a weight push, which brings a restarted
         server (launched from the initial weights) to the current version before it serves again."""
         dead = [s for s in self.servers if not s.up or (s.proc is not None and s.proc.poll() is not None)]
-        dead = [s for s in dead if not s.client.healthy(timeout_s=5.0)] if dead else []
+        dead = [s for s in dead if s.hung or not s.client.healthy(timeout_s=5.0)]
         for s in dead:
             if not s.cmd:
                 log.error("attached server %s is down; continuing with %d servers", s.client.url,
@@ -432,6 +446,7 @@ class RolloutFleet:
             if s.restarts >= self.cfg.rollout.max_restarts:
                 raise ServerError(f"{s.client.url} died {s.restarts + 1} times (rollout.max_restarts); see {s.log_path}")
             s.stop()
+            s.hung = False
             s.restarts += 1
             log.warning("restarting rollout server %s (restart %d)", s.client.url, s.restarts)
             s.start()
