@@ -83,11 +83,14 @@ def init_custom_group(backend: str, master_address: str, master_port: int, rank:
     the one place that reaches into ``distributed_c10d``."""
     from datetime import timedelta
 
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The TCP store directly, not ``rendezvous("tcp://...")``: under torchrun that one sees
+    # TORCHELASTIC_USE_AGENT_STORE and makes rank 0 a client of a store nobody serves. Same wire
+    # protocol as the store SGLang's side builds.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

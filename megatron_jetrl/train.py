@@ -198,6 +198,9 @@ def hand_over_weights(run: Run, version: int) -> dict:
             pass
     if dist.is_initialized():
         dist.barrier()
+    if not is_rank0_global():  # rank 0 restarted whatever was down: every server is back for every rank
+        for srv in fleet.servers:
+            srv.up = True
     return m
 
 
@@ -215,21 +218,19 @@ def my_prompts(run: Run, n: int) -> list[Sample]:
 
 
 def reduce_over_dp(m: dict) -> dict:
-    """Step metrics as one number per run: mean over DP ranks (max/min for *_max/*_min)."""
+    """Step metrics as one number per run: mean over the DP ranks that report a key (max/min for
+    *_max/*_min). Ranks may report different keys (only rank 0 talks to a fleet's servers)."""
     from megatron.core import parallel_state
 
     if _dp()[1] == 1:
         return m
-    group = parallel_state.get_data_parallel_group()
-    keys = sorted(m)
-    vals = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)
+    mine = {k: float(v) for k, v in m.items()}
+    every = [None] * _dp()[1]
+    dist.all_gather_object(every, mine, group=parallel_state.get_data_parallel_group())
     out = {}
-    for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.endswith(("_max", "_min"))),
-                     (dist.ReduceOp.MAX, lambda k: k.endswith("_max")),
-                     (dist.ReduceOp.MIN, lambda k: k.endswith("_min"))):
-        t = vals.clone()
-        dist.all_reduce(t, op=op, group=group)
-        out.update({k: float(t[i]) / (_dp()[1] if op == dist.ReduceOp.SUM else 1) for i, k in enumerate(keys) if pick(k)})
+    for k in sorted(set().union(*every)):
+        vals = [d[k] for d in every if k in d]
+        out[k] = max(vals) if k.endswith("_max") else min(vals) if k.endswith("_min") else sum(vals) / len(vals)
     return out
 
 

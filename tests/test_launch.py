@@ -227,3 +227,28 @@ def test_te_weight_bytes_and_block_permutation_are_exact():
     assert torch.equal(pq.view(torch.uint8), hq.view(torch.uint8)) and torch.equal(ps, hs)
     with pytest.raises(TEConfigError, match="splits 128-row blocks"):
         block_rows_permute(tq, ts, torch.arange(rows).roll(64))
+
+
+def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
+    """Without --dry-run on one 2-"GPU" CPU node: `jetrl serve` rollout servers in the background
+    (waiting for the trainer's initial FP8 weights), torchrun with 2 trainer ranks (DP=2, colocated,
+    offload), weights pushed over the broadcast group with FP8 parity, servers stopped at the end."""
+    from megatron_jetrl.rollout.sglang import free_port
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "tiny", "--nodes", "1",
+                          "--gpus-per-node", "2", "--hosts", "127.0.0.1", "--server-base-port", str(free_port()),
+                          "--rdzv-port", str(free_port()), "--run-dir", str(run), "--seq-len", "64", "--concurrency", "4",
+                          "rollout.engine=serve", "steps=2", "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout[:out.stdout.index("\n# node 0")])
+    assert plan["trainer"]["data_parallel"] == 2 and plan["rollout"]["servers"] == 2
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rows)
+    assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in rows[1:])
+    assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()
+    left = subprocess.run(["pgrep", "-f", f"serve --model-path {run}"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""  # the servers were stopped with the job

@@ -91,6 +91,8 @@ class Plan:
     peak_gb: float
     tried: list
     params_b: float
+    server_base_port: int = SERVER_BASE_PORT
+    rdzv_port: int = RDZV_PORT
 
     def summary(self) -> dict:
         return {
@@ -119,7 +121,7 @@ def make_plan(cfg, cluster: Cluster, *, seq_len: int, concurrency: int, rollout_
 
     # SGLang: the smallest TP whose weights + KV pool fit in mem_fraction (within one node).
     server_tp, smem = 0, None
-    for t in (1, 2, 4, 8, 16):
+    for t in ((1,) if cfg.rollout.engine == "serve" else (1, 2, 4, 8, 16)):  # jetrl serve is one process
         if t > cluster.gpus_per_node or m.num_attention_heads % t:
             continue
         smem = server_memory(m, t, fp8=fp8_rollout, concurrency=concurrency, context_len=context_len,
@@ -185,7 +187,8 @@ def server_urls(plan: Plan) -> list[tuple[int, int, str]]:
     out, per_node = [], {}
     for node, _ in plan.servers:
         k = per_node[node] = per_node.get(node, -1) + 1
-        out.append((node, SERVER_BASE_PORT + k, f"http://{plan.cluster.hosts[node]}:{SERVER_BASE_PORT + k}"))
+        port = plan.server_base_port + k
+        out.append((node, port, f"http://{plan.cluster.hosts[node]}:{port}"))
     return out
 
 
@@ -194,7 +197,8 @@ def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, admin_ke
     cfg = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, tensor_parallel=plan.layout.tp, pipeline_parallel=plan.layout.pp),
-        rollout=dataclasses.replace(cfg.rollout, engine="sglang", server_addresses=[u for *_, u in server_urls(plan)],
+        rollout=dataclasses.replace(cfg.rollout, engine="serve" if cfg.rollout.engine == "serve" else "sglang",
+                                    server_addresses=[u for *_, u in server_urls(plan)],
                                     admin_api_key=admin_key, server_tp=plan.server_tp,
                                     weight_transport="distributed" if plan.layout.pp == 1 else "disk"),
         checkpoint=dataclasses.replace(cfg.checkpoint, load_path=ckpt_dir or cfg.checkpoint.load_path),
@@ -210,22 +214,26 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
     (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup) and load them;
     trainer nodes convert the HF checkpoint (if given) and train under torchrun."""
     from megatron_jetrl.precision.recipe import FP8Recipe
-    from megatron_jetrl.rollout.sglang import sglang_server_argv
+    from megatron_jetrl.rollout.sglang import serve_argv, sglang_server_argv
 
     c = plan.cluster
     recipe = FP8Recipe.from_config(cfg.precision)
     model_dir = os.path.join(cfg.logging.run_dir, "rollout", "weights")
     out: dict[int, list[list[str]]] = {n: [] for n in range(c.nodes)}
     env = ["env", *[f"{k}={v}" for k, v in TRAIN_ENV.items()]]
-    for (node, gpus), (_, port, _) in zip(plan.servers, server_urls(plan)):
-        argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated")
-        argv[argv.index("--host") + 1] = "0.0.0.0"
-        launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
+    for i, ((node, gpus), (_, port, _)) in enumerate(zip(plan.servers, server_urls(plan))):
+        if cfg.rollout.engine == "serve":  # jetrl serve workers (CPU clusters, CI)
+            argv = [*serve_argv(cfg, model_dir, port, i), "--host", "0.0.0.0"]
+            launch = shlex.join([*env, f"CUDA_VISIBLE_DEVICES={gpus[0]}", python, "-m", "megatron_jetrl.cli", "serve", *argv])
+        else:
+            argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated")
+            argv[argv.index("--host") + 1] = "0.0.0.0"
+            launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
         out[node].append(["bash", "-c", f"until [ -f {shlex.quote(model_dir)}/config.json ]; do sleep 10; done; exec {launch}"])
     master = c.hosts[plan.trainer_nodes[0]]
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
                 f"--nproc-per-node={min(c.gpus_per_node, plan.trainer_gpus)}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={master}:{RDZV_PORT}", "--rdzv-id=jetrl"]
+                f"--rdzv-endpoint={master}:{plan.rdzv_port}", "--rdzv-id=jetrl"]
     for rank, node in enumerate(plan.trainer_nodes):
         base = [*env, *torchrun, f"--node-rank={rank}"]
         if hf_checkpoint:
@@ -251,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rollout-gpus", type=int, default=0, help="disaggregated: GPUs for the SGLang fleet")
     ap.add_argument("--tp", type=int, default=0, help="force the trainer's tensor parallel size")
     ap.add_argument("--pp", type=int, default=0, help="force the trainer's pipeline parallel size")
+    ap.add_argument("--server-base-port", type=int, default=SERVER_BASE_PORT, help="first rollout server port per node")
+    ap.add_argument("--rdzv-port", type=int, default=RDZV_PORT, help="torchrun rendezvous port")
     ap.add_argument("--hf-checkpoint", help="HF model dir: converted to a megatron checkpoint before training")
     ap.add_argument("--run-dir", default=None, help="run directory (default logging.run_dir)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, memory and commands; start nothing")
@@ -268,6 +278,7 @@ def main(argv=None) -> int:
     except (ConfigError, PlanError) as e:
         print(str(e), file=sys.stderr)
         return 2
+    plan.server_base_port, plan.rdzv_port = args.server_base_port, args.rdzv_port
     run_dir = os.path.abspath(args.run_dir or cfg.logging.run_dir)
     config_path = os.path.join(run_dir, "launch_config.yaml")
     ckpt_dir = os.path.join(run_dir, "mcore_init") if args.hf_checkpoint else None
@@ -277,7 +288,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    cmds = commands(plan, resolved, config_path, hf_checkpoint=args.hf_checkpoint, ckpt_dir=ckpt_dir)
+    cmds = commands(plan, resolved, config_path, hf_checkpoint=args.hf_checkpoint, ckpt_dir=ckpt_dir,
+                    python=sys.executable)
     summary = plan.summary()
     if args.json:
         print(json.dumps({**summary, "commands": {str(k): [shlex.join(c) for c in v] for k, v in cmds.items()}}, indent=1))
@@ -291,17 +303,23 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(run_dir, exist_ok=True)
     save_config(resolved, config_path)
-    procs = []
-    for c in cmds[cluster.node_rank]:
-        if c[0] == "bash":  # a server: in the background
-            log = open(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"), "ab")
-            procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT))
-        else:
-            rc = subprocess.run(c).returncode
-            if rc:
-                break
-    else:
-        rc = 0
-    for p in procs:
-        p.terminate()
+    procs, rc = [], 0
+    mine = cmds[cluster.node_rank]
+    try:
+        for c in mine:
+            if c[0] == "bash":  # a server: in the background
+                log = open(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"), "ab")
+                procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            else:
+                rc = subprocess.run(c).returncode
+                if rc:
+                    break
+        if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until stopped
+            rc = max(p.wait() for p in procs)
+    except KeyboardInterrupt:
+        rc = 130
+    finally:
+        for p in procs:  # each server with its children (SGLang's scheduler processes)
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
     return rc

@@ -56,7 +56,12 @@ class _Base:
 
 
 class Colocated(_Base):
+    """With a fleet and several trainer ranks, only global rank 0 releases/resumes the servers,
+    between barriers: no rank's generation can meet a server another rank already released."""
+
     def rollout(self, step: int):
+        from megatron_jetrl.distributed import barrier, is_rank0
+
         run, m = self.run, {}
         samples, prompts = self.draw(step)
         fleet = hasattr(run.engine, "push_weights")
@@ -66,23 +71,29 @@ class Colocated(_Base):
             m["trainer_offloaded_gb"] = run.actor.offloaded_bytes() / 2**30
             m["mem_after_offload_gb"] = _cuda_gb()
         if fleet:
-            run.engine.resume_memory(["kv_cache"])  # the KV pool only once the trainer is off the GPU
+            if is_rank0():
+                run.engine.resume_memory(["kv_cache"])  # the KV pool only once the trainer is off the GPU
+            barrier()
         gens = self._generate(step, prompts)
         if fleet:
-            run.engine.release_memory()
+            barrier()
+            if is_rank0():
+                run.engine.release_memory()
             if run.cfg.scheduler.offload_trainer:
                 run.actor.reload()
             m.update(run.engine.metrics)
         return samples, prompts, gens, m
 
     def hand_over(self, version: int) -> dict:
+        from megatron_jetrl.distributed import is_rank0
         from megatron_jetrl.train import hand_over_weights
 
         run = self.run
         if hasattr(run.engine, "push_weights"):
             if run.cfg.scheduler.offload_trainer:  # the push needs the params only
                 run.actor.offload(("optimizer", "grads"))
-            run.engine.resume_memory(["weights"])  # the servers' weights only, next to the trainer's params
+            if is_rank0():
+                run.engine.resume_memory(["weights"])  # the servers' weights only, next to the trainer's params
         return hand_over_weights(run, version)
 
 
