@@ -187,6 +187,8 @@ def hand_over_weights(run: Run, version: int) -> dict:
     # per-stage disk shards); rank 0 sends.
     fleet, items = run.engine, iter_hf_tensors(run.actor.module, run.cfg.model, opts)
     m = {}
+    if dist.is_initialized():
+        dist.barrier()  # every rank's in-flight rollout is done before the servers' weights change
     if is_rank0_global():
         fleet.heal()
         m = fleet.push_weights(version, items, check, lambda v, it: disk_push(run, v, it))
