@@ -500,12 +500,15 @@ class RolloutFleet:
     def _push_tensor(self, up: list[Server], version: int, items) -> int:
         from safetensors.torch import save as st_save
 
-        total, buckets = 0, list(bucketize(items, self.cfg.rollout.bucket_mb << 20))
-        for i, bucket in enumerate(buckets):
+        total, buckets = 0, bucketize(items, self.cfg.rollout.bucket_mb << 20)
+        bucket = next(buckets, None)
+        while bucket is not None:  # one bucket in memory at a time (plus the next one's tensors as they stream)
+            nxt = next(buckets, None)
             payload = base64.b64encode(st_save({n: host_copy(t) for n, t in bucket})).decode()
             total += sum(nbytes(t) for _, t in bucket)
-            self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version),
-                                                                         i == len(buckets) - 1))
+            last = nxt is None
+            self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version), last))
+            bucket = nxt
         return total
 
     def _ensure_group(self, up: list[Server]) -> None:
