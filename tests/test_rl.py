@@ -147,3 +147,23 @@ def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
             close(run)
     for a, b in zip(results[True], results[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_metrics_log_fresh_run_replaces_resume_keeps(tmp_path):
+    from megatron_jetrl.metrics.logger import MetricsLogger
+
+    def lines():
+        return [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+
+    lg = MetricsLogger(str(tmp_path), tensorboard=False)
+    for s in range(3):
+        lg.log(s, {"reward_mean": 0.1 * s})
+    lg.close()
+    lg = MetricsLogger(str(tmp_path), tensorboard=False, resume_step=1)  # resumed after step 1: 2 is redone
+    lg.log(2, {"reward_mean": 0.5})
+    lg.close()
+    assert lines() == [0, 1, 2]
+    lg = MetricsLogger(str(tmp_path), tensorboard=False)  # a fresh run in the same directory
+    lg.log(0, {"reward_mean": 0.0})
+    lg.close()
+    assert lines() == [0]

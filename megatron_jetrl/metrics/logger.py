@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+
+log = logging.getLogger("jetrl")
 
 
 class MetricsLogger:
@@ -18,12 +21,16 @@ class MetricsLogger:
             with open(tmp, "w") as f:
                 f.writelines(keep)
             os.replace(tmp, self.path)
-        self.file = open(self.path, "a")
+        elif os.path.exists(self.path):
+            # A fresh run in a used run directory starts its own curves (--resume continues them).
+            log.warning("%s: starting a fresh run; the previous metrics.jsonl and TensorBoard curves are replaced "
+                        "(use --resume to continue, or another --run-dir to keep them)", run_dir)
+        self.file = open(self.path, "a" if resume_step is not None else "w")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step is not None else 0)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step}
