@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megatron_jetrl.config import ParallelConfig
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous, a server, a store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +33,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
             dist.init_process_group("nccl" if cuda else "gloo")
         else:  # a single process; nothing is written to os.environ (child processes stay clean)
-            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
     mp = parallel.tensor_parallel * parallel.pipeline_parallel

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron_jetrl.config import ConfigError, JetConfig, save_config
 from megatron_jetrl.data.prompts import PromptStream, Sample, load_prompts, synthetic_arithmetic
 from megatron_jetrl.data.tokenizer import load_tokenizer
+from megatron_jetrl.distributed import is_rank0
 from megatron_jetrl.metrics.logger import MetricsLogger
 from megatron_jetrl.models.builder import DTYPES, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -50,15 +51,17 @@ def export_options(cfg: JetConfig, recipe: FP8Recipe) -> ExportOptions:
     return ExportOptions(fp8=recipe.rollout_fp8, dtype=dtype)
 
 
-def disk_push(run: "Run", version: int, items) -> tuple[str, dict]:
-    """Write the rollout's weights as an HF directory in the run dir (every rank its share)."""
+def disk_push(run: "Run", version: int, items, record_hashes: bool = True) -> tuple[str, dict]:
+    """Write the rollout's weights as an HF directory in the run dir (every rank its share), with
+    weight_hashes.json (what the receiver verifies) when ``record_hashes``: parity-check steps only,
+    hashing every tensor is not free on large models (``logging.parity_interval``)."""
     from megatron_jetrl.sync.transport import DiskTransport
 
     recipe = run.actor.fp8_state.recipe
     path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, "rollout", "weights"))
     qc = recipe.hf_quantization_config() if recipe.rollout_fp8 else None
     m = DiskTransport(path, run.cfg.model.to_hf_config(), quantization_config=qc, collective=True,
-                      bucket_bytes=run.cfg.rollout.bucket_mb << 20).push(version, items)
+                      bucket_bytes=run.cfg.rollout.bucket_mb << 20, record_hashes=record_hashes).push(version, items)
     return path, m
 
 
@@ -67,14 +70,14 @@ def start_fleet(cfg: JetConfig, recipe: FP8Recipe, model_dir: str):
     from megatron_jetrl.rollout.sglang import RolloutFleet
 
     urls = [None]
-    if is_rank0_global():
+    if is_rank0():
         fleet = RolloutFleet(cfg, recipe, cfg.logging.run_dir, model_dir, cfg.scheduler.mode == "colocated",
                              trainer_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
         fleet.start()
         urls = [fleet.urls]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(urls, src=0)
-    if not is_rank0_global():
+    if not is_rank0():
         import dataclasses
 
         attached = dataclasses.replace(cfg.rollout, server_addresses=urls[0])
@@ -82,10 +85,6 @@ def start_fleet(cfg: JetConfig, recipe: FP8Recipe, model_dir: str):
         for srv in fleet.servers:
             srv.up = True
     return fleet
-
-
-def is_rank0_global() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @contextmanager
@@ -189,18 +188,18 @@ def hand_over_weights(run: Run, version: int) -> dict:
     m = {}
     if dist.is_initialized():
         dist.barrier()  # every rank's in-flight rollout is done before the servers' weights change
-    if is_rank0_global():
+    if is_rank0():
         fleet.heal()
-        m = fleet.push_weights(version, items, check, lambda v, it: disk_push(run, v, it))
+        m = fleet.push_weights(version, items, check, lambda v, it: disk_push(run, v, it, check))
         m.update(fleet.metrics)
     elif run.cfg.rollout.weight_transport == "disk":
-        disk_push(run, version, items)
+        disk_push(run, version, items, check)
     else:
         for _ in items:
             pass
     if dist.is_initialized():
         dist.barrier()
-    if not is_rank0_global():  # rank 0 restarted whatever was down: every server is back for every rank
+    if not is_rank0():  # rank 0 restarted whatever was down: every server is back for every rank
         for srv in fleet.servers:
             srv.up = True
     return m

@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_jetrl.distributed import free_port
 
 
 class _FP8:
@@ -60,7 +55,7 @@ def _entry(rank, world, port, out_dir, fn, args):
 def run_workers(fn, world: int, *args, timeout: float = 900):
     """``fn(rank, world, *args)`` in ``world`` processes; returns the list of results by rank."""
     out_dir = tempfile.mkdtemp(prefix="jetrl-dist-")
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+    ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world,
                              join=False, start_method="spawn")
     while not ctx.join(timeout=timeout):
         pass

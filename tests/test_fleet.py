@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_jetrl.rollout.base import SamplingParams
-from megatron_jetrl.rollout.sglang import SGLangClient, ServerError, free_port
+from megatron_jetrl.distributed import free_port
+from megatron_jetrl.rollout.sglang import SGLangClient, ServerError
 from tests.hf_models import make_fp8_dir, make_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -233,7 +233,7 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     """Without --dry-run on one 2-"GPU" CPU node: `jetrl serve` rollout servers in the background
     (waiting for the trainer's initial FP8 weights), torchrun with 2 trainer ranks (DP=2, colocated,
     offload), weights pushed over the broadcast group with FP8 parity, servers stopped at the end."""
-    from megatron_jetrl.rollout.sglang import free_port
+    from megatron_jetrl.distributed import free_port
 
     env = dict(os.environ, PYTHONPATH=REPO)
     run = tmp_path / "run"

@@ -7,7 +7,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.timing import dump_json, time_ms
+from megatron_jetrl.bench.timing import dump_json, print_table, time_ms
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
@@ -90,11 +90,7 @@ def main(argv=None) -> list[dict]:
             "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "act_quant_share_of_gemm",
             "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
             "weight_quant_ms", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
-    cols = [c for c in cols if c in rows[0]]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    print_table(rows, [c for c in cols if c in rows[0]])
     if args.decode:
         # the largest M at which the fused kernel beats cuBLAS scaled_mm on every shape
         ok = [M for M in DECODE_M if all(r["triton_small_m_ms"] < r["fp8_fwd_ms"] for r in rows if r["M"] == M)]

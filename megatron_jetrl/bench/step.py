@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json
+from megatron_jetrl.bench.timing import dump_json, print_table
 
 PHASES = ("rollout", "logprob", "train", "weight_sync")
 
@@ -101,14 +101,14 @@ def main(argv=None) -> list[dict]:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
     cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "tokens_per_s_rollout", "peak_GiB"]
-    print("| " + " | ".join(cols) + (" | step speedup vs bf16 | rollout speedup | train-phase speedup |" if base else " |"))
-    print("|" + "---|" * (len(cols) + (3 if base else 0)))
-    for r in rows:
-        cells = [f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols]
-        if base:
-            cells += [f"{base['step'] / r['step']:.3f}", f"{base['rollout'] / r['rollout']:.3f}",
-                      f"{(base['logprob'] + base['train']) / (r['logprob'] + r['train']):.3f}"]
-        print("| " + " | ".join(cells) + " |")
+    shown = rows
+    if base:  # the ratios are printed, not stored in the rows
+        shown = [{**r, "step speedup vs bf16": f"{base['step'] / r['step']:.3f}",
+                  "rollout speedup": f"{base['rollout'] / r['rollout']:.3f}",
+                  "train-phase speedup": f"{(base['logprob'] + base['train']) / (r['logprob'] + r['train']):.3f}"}
+                 for r in rows]
+        cols += ["step speedup vs bf16", "rollout speedup", "train-phase speedup"]
+    print_table(shown, cols)
     if args.plot:
         print(f"plot: {plot(rows, args.plot, f'{dev}, preset {args.preset}')}")
     dump_json(args.json, rows)

@@ -10,6 +10,14 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    """The rows as a markdown table (floats to 3 significant digits), columns in ``cols`` order."""
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+
+
 def dump_json(path: str | None, obj) -> None:
     """Write a benchmark's rows to ``path`` (``--json``) when given."""
     if path:

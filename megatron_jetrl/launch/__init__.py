@@ -35,7 +35,7 @@ SERVER_BASE_PORT = 30000
 
 def expand_nodelist(spec: str) -> list[str]:
     """Slurm's compressed host list (``gpu[001-003,007],login1``) -> host names."""
-    hosts, i = [], 0
+    hosts = []
     parts = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", spec)
     for part in parts:
         m = re.fullmatch(r"(.*)\[(.*)\]", part)
@@ -49,7 +49,6 @@ def expand_nodelist(spec: str) -> list[str]:
                 hosts += [f"{prefix}{str(k).zfill(len(a))}" for k in range(int(a), int(b) + 1)]
             else:
                 hosts.append(prefix + r)
-        i += 1
     return hosts
 
 

@@ -9,17 +9,21 @@ pytorch/tensor/float8_blockwise_tensor.py):
   (``w_block_scaling_dim=2``), gradients 1x128; scales are powers of two unless
   ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` (read when the recipe class is imported); the power-of-two
   scale is ``2^floor(log2(448/amax))``, i.e. ``scale_inv`` rounded up to a power of two: our ue8m0;
-  ``amax_epsilon`` defaults to 0 (we set the recipe's).
+  ``amax_epsilon`` is 0.
 - A 2D-scaled weight keeps ``_rowwise_data`` (uint8, [N, K]) and ``_rowwise_scale_inv`` fp32
   [ceil(N/128), roundup(ceil(K/128), 4)]: the inner dimension is padded to 4 for the GEMM; the HF
   ``weight_scale_inv`` is the unpadded [ceil(N/128), ceil(K/128)].
 
 Numerics: the forward (what the rollout reproduces) matches ours exactly when the checks below
-pass. TE's backward differs from the emulated/scaled_mm backends in one place: wgrad quantizes
+pass, with one exception megatron-core does not let us configure: it builds
+``Float8BlockScaling(fp8_format=...)`` itself (core/fp8_utils.py), so TE's ``amax_epsilon`` stays 0
+where ours is the recipe's 1e-10. That changes only groups whose amax is below 1e-10: all-zero groups
+give zero bytes either way (only their unused scale differs), and a group of magnitudes < 1e-10 is
+quantized by TE with its true scale instead of ours. TE's backward differs from the emulated/scaled_mm backends in one place: wgrad quantizes
 x^T from high precision in 1x128 groups along tokens, ours re-blocks the saved FP8 activations; that
 changes training, not the train/rollout match, so it is allowed and stated.
 
-Nothing here needs TE to be installed except ``make_te_recipe`` and the layer spec.
+Nothing here needs TE to be installed; the layer spec (models/builder.py) does.
 """
 from __future__ import annotations
 
@@ -67,22 +71,6 @@ def check_te_numerics(recipe: FP8Recipe, model_cfg, env: dict[str, str]) -> None
         # means moving whole 128-row blocks into HF's q, k, v order.
         raise TEConfigError(f"precision.backend: TE's FP8 QKV bytes move to HF order only in whole 128-row blocks; "
                             f"model.head_dim={model_cfg.head_dim} is not a multiple of {TE_BLOCK}; use backend=auto")
-
-
-def make_te_recipe(recipe: FP8Recipe):
-    """TE's ``Float8BlockScaling`` for this recipe (needs transformer_engine)."""
-    import os
-
-    for k, v in te_env(recipe).items():
-        if os.environ.get(k, v) != v:
-            raise TEConfigError(f"{k}={os.environ[k]} contradicts precision.scale_fmt={recipe.scale_fmt}")
-    from transformer_engine.common.recipe import Float8BlockScaling, Format, QParams
-
-    r = Float8BlockScaling(fp8_format=Format.E4M3)
-    pow2 = recipe.scale_fmt == "ue8m0"
-    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
-        setattr(r, name, QParams(power_2_scale=pow2, amax_epsilon=recipe.amax_eps))
-    return r
 
 
 def te_weight_bytes(weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megatron_jetrl.distributed import free_port
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.sync.transport import bucketize, host_copy, is_fp8_payload, nbytes, tensor_hash
 
@@ -47,12 +48,6 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, timed_out: bool = False):
         super().__init__(message)
         self.timed_out = timed_out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------
