@@ -132,10 +132,10 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     b = sub.add_parser("bench", help="benchmarks that print FP8/BF16 ratios measured in one run (GPU)")
-    b.add_argument("what", choices=["linear", "sync", "train", "step"],
+    b.add_argument("what", choices=["linear", "sync", "train", "step", "rollout"],
                    help="linear: FP8 block linear vs BF16; sync: weight gather+export, BF16 vs FP8; "
                         "train: one RL training phase, bf16 vs jet; step: full RL steps per phase, "
-                        "bf16 vs fp8_rollout vs jet")
+                        "bf16 vs fp8_rollout vs jet; rollout: in-process generation speed per mode")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see jetrl bench linear --help)")
 
     la = sub.add_parser("launch", help="plan and run a cluster job: layout, SGLang fleet, memory, per-node commands")
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         from megatron_jetrl.launch import main as launch_main
 
         return launch_main(argv[1:])
-    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"], ["bench", "train"], ["bench", "step"]):
+    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"], ["bench", "train"], ["bench", "step"], ["bench", "rollout"]):
         import importlib
 
         logging.basicConfig(level=logging.WARNING)

@@ -260,9 +260,20 @@ class RolloutConfig:
     through it (its load balancing, retries, circuit breaker); weight updates go to every server."""
     admin_api_key: Optional[str] = None
     """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback."""
+    decode: Literal["static", "megatron"] = "static"
+    """In-process decoding: ``static`` (our static-shape KV cache over the model's own modules, CUDA
+    graphs on GPU: ``rollout/decode.py``) or ``megatron`` (megatron-core's ``StaticInferenceContext``,
+    eager; the reference the static decoder is tested against)."""
+    cuda_graphs: bool = True
+    """Static decoding on CUDA: capture each decode step in a CUDA graph (dense models)."""
+    decode_bucket: int = 256
+    """Static decoding: attention reads the KV cache up to the next multiple of this (one graph each)."""
+    keep_decode_cache: bool = True
+    """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
+    ``false`` frees them after every rollout (memory for training on a full GPU)."""
 
     def __post_init__(self):
-        _positive(self, "rollout", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
+        _positive(self, "rollout", "decode_bucket", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
                   "server_tp", "bucket_mb", "chunk_size", "request_timeout_s", "health_timeout_s")
         _check(0 < self.mem_fraction < 1, "rollout.mem_fraction", f"{self.mem_fraction} not in (0, 1)", "use e.g. 0.8")
         for a in self.server_addresses:

@@ -123,8 +123,10 @@ def setup(cfg: JetConfig) -> Run:
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
     engine = None
     if cfg.rollout.engine == "local":
+        r = cfg.rollout
         engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
-                             model_cfg=cfg.model)
+                             model_cfg=cfg.model, decode=r.decode, cuda_graphs=r.cuda_graphs,
+                             bucket=r.decode_bucket, keep_cache=r.keep_decode_cache)
     stream = PromptStream(samples, cfg.seed)
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")

@@ -28,7 +28,9 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     from megatron_jetrl.config import load_config
     from megatron_jetrl.train import close, rl_step, setup
 
-    cfg = load_config(preset_path, [*overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
+    # the hand-over is timed without the optional hash-parity verification (sha256 of every FP8
+    # tensor on the host, both sides: seconds on an 8B model); pass logging.parity_interval=N to include it
+    cfg = load_config(preset_path, ["logging.parity_interval=0", *overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
                                     f"steps={steps + warmup}", "logging.tensorboard=false",
                                     f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])
     run = setup(cfg)

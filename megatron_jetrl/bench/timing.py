@@ -2,12 +2,24 @@
 flushed by do_bench) and writing their rows as JSON."""
 from __future__ import annotations
 
+import torch
+
 
 def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA device."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def time_graph_ms(fn, rep: int = 50) -> float:
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph: GPU time without the host's
+    launch overhead, which is how a graph-captured decode step runs its linears (at decode sizes
+    eager timing measures the Python/launch path, not the kernels)."""
+    import triton.testing
+
+    with torch.no_grad():
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

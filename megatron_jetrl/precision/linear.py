@@ -83,7 +83,7 @@ class FP8WeightCache:
         if self.perm is not None:
             w = w.index_select(0, self.perm.to(w.device))
         qs, ss = zip(*(quantize_weight(part, state.recipe) for part in w.split(self.sub_rows, 0)))
-        self.qweight, self.scale_inv = torch.cat(qs, 0), torch.cat(ss, 0)
+        self._store(qs, ss)
         self.version = state.version
         self.refreshes += 1
 
@@ -95,9 +95,19 @@ class FP8WeightCache:
         for (q, s), rows in zip(parts, self.sub_rows):
             if q.shape[0] != rows or s.shape[0] != -(-rows // self.block_rows):
                 raise ValueError(f"FP8 part of {rows} rows expected, got fp8 {tuple(q.shape)} / scale {tuple(s.shape)}")
-        self.qweight = torch.cat([q for q, _ in parts], 0).to(device)
-        self.scale_inv = torch.cat([s for _, s in parts], 0).to(device, torch.float32)
+        self._store([q.to(device) for q, _ in parts], [s.to(device, torch.float32) for _, s in parts])
         self.version = state.version
+
+    def _store(self, qs, ss) -> None:
+        """New bytes go into the existing buffers when the shapes allow: the storage stays put, so
+        a rollout's captured CUDA graphs (rollout/decode.py) keep reading the current weights."""
+        if (self.qweight is not None and self.qweight.device == qs[0].device
+                and self.qweight.shape[0] == sum(q.shape[0] for q in qs) and self.qweight.shape[1:] == qs[0].shape[1:]
+                and self.scale_inv.shape[0] == sum(x.shape[0] for x in ss) and self.scale_inv.shape[1:] == ss[0].shape[1:]):
+            torch.cat(qs, 0, out=self.qweight)
+            torch.cat(ss, 0, out=self.scale_inv)
+        else:
+            self.qweight, self.scale_inv = torch.cat(qs, 0), torch.cat(ss, 0)
 
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (fp8, scale_inv) of each logical sub-matrix (q, k, v / gate, up), rollout layout."""

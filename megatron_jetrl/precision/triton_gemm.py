@@ -5,8 +5,11 @@ program owns a [BLOCK_M, BLOCK_N] tile of y and walks K in 128-wide groups; for 
 quantizes its rows of x exactly as ``quant.quantize_act`` does (same amax, epsilon, scale rule and
 saturating E4M3 cast as the Triton quantizer, so the same bytes and scales), multiplies with the
 FP8 weight tile on the tensor cores, and accumulates ``dot * x_scale[row] * w_scale[block]`` in
-fp32. At decode sizes the weight read dominates; x (a few rows) is re-quantized per N tile, which
-costs compute on a tiny tile instead of a kernel launch and a round trip through memory.
+fp32 (the per-128 promotion out of the tensor core's reduced-precision FP8 accumulator). At decode
+sizes the weight read dominates; x (a few rows) is re-quantized per N tile, which costs compute on
+a tiny tile instead of a kernel launch and a round trip through memory. K is split across programs
+when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fixed order by a
+second kernel (deterministic: same tokens on every run, unlike atomic adds).
 
 Used by the FP8 linear for inference forwards (rollout) with M <= ``precision.small_m_max``
 (0 = off until measured on the target GPU: ``jetrl bench linear --decode`` prints the crossover);
@@ -23,17 +26,20 @@ from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
 
 
 @triton.jit
-def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_wsn, stride_ym, stride_qm, stride_sm,
+def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_per_split,
+                    stride_xm, stride_wn, stride_wsn, stride_ys, stride_ym, stride_qm, stride_sm,
                     inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    UE8M0: tl.constexpr, STORE_Q: tl.constexpr):
+                    UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, G)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, G)):
+    kb0 = pid_k * groups_per_split
+    kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, G))
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         k = kb * G + kk
         xm = (rows[:, None] < M) & (k[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -41,8 +47,8 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K,
         x_scale, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
         xq = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
         if STORE_Q:  # for tests: the quantized activations, to compare with quant.quantize_act
-            tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], xq, mask=xm)
             if pid_n == 0:
+                tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], xq, mask=xm)
                 tl.store(s_ptr + rows * stride_sm + kb, x_scale, mask=rows < M)
         wm = (cols[:, None] < N) & (k[None, :] < K)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
@@ -50,14 +56,53 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K,
         part = tl.dot(xq, tl.trans(w), out_dtype=tl.float32)
         acc += part * x_scale[:, None] * w_scale[None, :]
     ym = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
+    tl.store(y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over the split-K partials in a fixed order (deterministic, unlike atomics)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | None = None,
+         split_k: int | None = None, waves: float = 2.0) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split_k, groups per split) for one call. At decode sizes an N-tile grid
+    alone leaves most SMs idle (N=4096 in 128-wide tiles is 32 programs on 132 SMs), so K is split
+    until about ``waves`` programs per SM run; the fp32 partials cost M*N*4 bytes per split, small
+    next to the weight while M is small. The defaults are the best plans ``tools/tune_small_m.py``
+    measured on the H200 (docs/benchmarks.md): 128-wide N tiles, split 8 for N=4096 and 2 for
+    N=14336 at M <= 64."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = block_n or 128
+    groups = triton.cdiv(K, G)
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    if split_k is None:
+        split_k = max(1, min(int(waves * _num_sms(device)) // tiles, groups // 4))
+        if M > 64:  # partials would be a real share of the traffic
+            split_k = min(split_k, 2)
+    split_k = max(1, min(split_k, groups))
+    per = triton.cdiv(groups, split_k)
+    return block_m, block_n, triton.cdiv(groups, per), per
 
 
 def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, recipe: FP8Recipe,
-                   out_dtype: torch.dtype | None = None, return_quantized: bool = False, block_n: int = 64):
+                   out_dtype: torch.dtype | None = None, return_quantized: bool = False,
+                   block_n: int | None = None, split_k: int | None = None, num_stages: int = 3):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
-    activation bytes and scales the kernel used, for tests)."""
+    activation bytes and scales the kernel used, for tests). ``block_n``/``split_k`` override the
+    launch plan (``tools/tune_small_m.py`` sweeps them)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -65,18 +110,22 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     M, N, G = x2.shape[0], qweight.shape[0], recipe.group_size
     if qweight.shape[1] != K or w_scale.shape != (triton.cdiv(N, G), triton.cdiv(K, G)):
         raise ValueError(f"small_m_linear: weight {tuple(qweight.shape)} / scale {tuple(w_scale.shape)} do not match K={K}")
-    if G % block_n:
-        raise ValueError(f"small_m_linear: block_n={block_n} must divide the group size {G}")
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     q = torch.empty((M, K), dtype=recipe.dtype, device=x.device) if return_quantized else y
     s = torch.empty((M, triton.cdiv(K, G)), dtype=torch.float32, device=x.device) if return_quantized else y
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     if M:
-        _small_m_kernel[grid](x2, qweight, w_scale, y, q, s, M, N, K, x2.stride(0), qweight.stride(0),
-                              w_scale.stride(0), y.stride(0), q.stride(0) if return_quantized else 0,
+        block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k)
+        part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+        _small_m_kernel[grid](x2, qweight, w_scale, part, q, s, M, N, K, per, x2.stride(0), qweight.stride(0),
+                              w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
+                              q.stride(0) if return_quantized else 0,
                               s.stride(0) if return_quantized else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
                               recipe.amax_eps, G=G, BLOCK_M=block_m, BLOCK_N=block_n,
-                              UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized, num_warps=4)
+                              UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized,
+                              NUM_STAGES=num_stages, num_warps=4)
+        if split > 1:
+            block = 1024
+            _split_sum_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLIT=split, BLOCK=block)
     y = y.view(*lead, N)
     return (y, q, s) if return_quantized else y

@@ -2,9 +2,11 @@
 
 It runs the model with the rollout precision (``FP8ModelState.rollout_precision``): in ``jet``
 mode the same cached FP8 weight bytes the training forward uses, in ``fp8_rollout`` mode FP8
-while training stays BF16. Batched generation with a KV cache (megatron-core's
-``StaticInferenceContext``): left-padded prompts, one prefill, then one token per step. Pad keys
-are masked; RoPE is relative, so left padding does not change the result beyond rounding.
+while training stays BF16. Batched generation with a KV cache: left-padded prompts, one prefill,
+then one token per step, sampled on the device. Pad keys are masked; RoPE is relative, so left
+padding does not change the result beyond rounding. Decoding runs on ``rollout/decode.py``'s
+static-shape decoder (CUDA graphs on GPU; ``decode="static"``) or on megatron-core's eager
+``StaticInferenceContext`` (``decode="megatron"``, the reference).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ SYNC_EVERY = 8
 
 class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
-                 model_cfg=None):
+                 model_cfg=None, decode: str = "static", cuda_graphs: bool = True, bucket: int = 256,
+                 keep_cache: bool = True):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -31,6 +34,9 @@ class LocalEngine:
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_parity: dict = {}
+        self.decode, self.cuda_graphs, self.bucket, self.keep_cache = decode, cuda_graphs, bucket, keep_cache
+        self._decoder = None
+        self.last_stats: dict = {}
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -38,17 +44,95 @@ class LocalEngine:
         out = gather_from_tensor_model_parallel_region(out)
         return out[..., : self.vocab_size] if self.vocab_size else out
 
+    def _refresh_fp8(self) -> None:
+        """Bring every FP8 weight cache to the current version before decoding, so a captured
+        graph never records (or misses) a refresh: it reads the caches' buffers, refreshed in place."""
+        if self.fp8_state is not None and self.fp8_state.forward_fp8:
+            for m in self.model.modules():
+                if getattr(m, "fp8_cache", None) is not None:
+                    m.fp8_weight()
+
+    def _static_decoder(self, B: int, max_len: int):
+        from megatron_jetrl.rollout.decode import StaticDecoder
+
+        d = self._decoder
+        if d is None or d.B != B or d.L < max_len:
+            self._decoder = None  # free the old cache before allocating the new one
+            d = StaticDecoder(self.model, B, max_len, self.vocab_size, self.bucket,
+                              use_graphs=self.cuda_graphs and self.device.type == "cuda")
+        self._decoder = d if self.keep_cache else None
+        return d
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.decode == "static":
+            return self._generate_static(prompts, params)
+        return self._generate_megatron(prompts, params)
+
+    def _finish(self, prompts, out_ids, out_lp, params) -> list[Generation]:
+        ids = torch.stack(out_ids, 1).tolist()
+        lps = torch.stack(out_lp, 1).tolist()
+        stop_set = set(params.stop_token_ids)
+        gens = []
+        for i in range(len(prompts)):
+            n, reason = len(ids[i]), "length"
+            for j, tok in enumerate(ids[i]):
+                if tok in stop_set:
+                    n, reason = j + 1, "stop"
+                    break
+            gens.append(Generation(prompts[i], ids[i][:n], lps[i][:n], reason, self.weight_version))
+        return gens
+
+    def _left_pad(self, prompts):
+        B, P = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.full((B, P), self.pad_id, dtype=torch.long, device=self.device)
+        key_pad = torch.ones((B, P), dtype=torch.bool, device=self.device)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p):] = torch.tensor(p, device=self.device)
+            key_pad[i, P - len(p):] = False
+        return tokens, key_pad
+
+    @torch.no_grad()
+    def _generate_static(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        import time
+
+        tokens, key_pad = self._left_pad(prompts)
+        B, P = tokens.shape
+        was_training = self.model.training
+        self.model.eval()
+        out_ids, out_lp = [], []
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        stops = torch.tensor(list(params.stop_token_ids) or [-1], device=self.device)
+        try:
+            with self.fp8_state.rollout_precision():
+                self._refresh_fp8()
+                dec = self._static_decoder(B, P + params.max_new_tokens)
+                captured = dec.capture_s
+                t0 = time.perf_counter()
+                logits = dec.prefill(tokens, key_pad)
+                for t in range(params.max_new_tokens):
+                    ids, lp = sample_next(logits, params, self.generator)
+                    ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
+                    out_ids.append(ids)
+                    out_lp.append(lp)
+                    done |= torch.isin(ids, stops)
+                    if t == params.max_new_tokens - 1 or (t % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all())):
+                        break
+                    logits = dec.step(ids)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.last_stats = {"decode_steps": len(out_ids), "graph_capture_s": dec.capture_s - captured,
+                                   "generate_s": time.perf_counter() - t0, "cuda_graphs": dec.use_graphs}
+        finally:
+            self.model.train(was_training)
+        return self._finish(prompts, out_ids, out_lp, params)
+
+    @torch.no_grad()
+    def _generate_megatron(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        B, P = len(prompts), max(len(p) for p in prompts)
-        dev = self.device
-        tokens = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)
-        key_pad = torch.ones((B, P), dtype=torch.bool, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, P - len(p):] = torch.tensor(p, device=dev)
-            key_pad[i, P - len(p):] = False
+        tokens, key_pad = self._left_pad(prompts)
+        (B, P), dev = tokens.shape, self.device
         ctx = StaticInferenceContext(B, P + params.max_new_tokens)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         allowed = causal[None] & ~key_pad[:, None, :]
@@ -81,18 +165,7 @@ class LocalEngine:
                     ctx.increment_sequence_len_offset(1)
         finally:
             self.model.train(was_training)
-        ids = torch.stack(out_ids, 1).tolist()
-        lps = torch.stack(out_lp, 1).tolist()
-        stop_set = set(params.stop_token_ids)
-        gens = []
-        for i in range(B):
-            n, reason = len(ids[i]), "length"
-            for j, tok in enumerate(ids[i]):
-                if tok in stop_set:
-                    n, reason = j + 1, "stop"
-                    break
-            gens.append(Generation(prompts[i], ids[i][:n], lps[i][:n], reason, self.weight_version))
-        return gens
+        return self._finish(prompts, out_ids, out_lp, params)
 
     def fp8_hashes(self) -> dict[str, str]:
         """Receiving side: hashes (by HF name) of the FP8 weights and scales this engine runs with,
@@ -117,7 +190,8 @@ class LocalEngine:
         return self.last_parity
 
     def release_memory(self) -> None:
-        """Nothing to release in process: the KV cache lives only inside ``generate``."""
+        """Free the static decoder's KV cache and CUDA graphs (rebuilt by the next ``generate``)."""
+        self._decoder = None
 
     def resume_memory(self) -> None:
         pass

@@ -1,0 +1,168 @@
+"""``jetrl bench rollout``: in-process generation speed, bf16 vs FP8 modes, in one run.
+
+For each mode the same model (preset shapes, same random weights) generates ``--batch`` sequences
+of ``--new-tokens`` tokens (no stop tokens, temperature 1) from random ``--prompt-len`` prompts with
+the rollout engine the RL loop uses (``rollout.decode``, CUDA graphs per ``rollout.cuda_graphs``).
+Per mode it prints the prefill time, the decode step time (median over steps is not observable
+without syncs, so: decode wall time / steps), tokens/s, graph-capture time (first rollout only: the
+timed rollout is the second, which reuses the graphs as the RL loop does), the weight bytes one
+step reads and the weight-bandwidth bound at ``--bandwidth`` TB/s (the H200's measured copy
+ceiling), the KV bytes a step reads, and the FP8/bf16 speedup.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from megatron_jetrl.bench.timing import dump_json, print_table
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter except the input embedding (a
+    gather of B rows), FP8 linears at their cached FP8 bytes + scales when the rollout runs FP8."""
+    total = 0
+    for name, m in model.named_modules():
+        for pn, p in m.named_parameters(recurse=False):
+            if "word_embeddings" in f"{name}.{pn}":
+                continue
+            cache = getattr(m, "fp8_cache", None)
+            if pn == "weight" and cache is not None and m.fp8_state is not None and m.fp8_state.forward_fp8:
+                q, s = cache.get(p, m.fp8_state)
+                total += q.numel() * q.element_size() + s.numel() * 4
+            else:
+                total += p.numel() * p.element_size()
+    return total
+
+
+def profile_steps(dec, steps: int, top: int = 12) -> dict:
+    """GPU kernel time per decode step by kernel (the same decoder stepped eagerly under the
+    profiler after a prefill; kernel durations are the graph's, the host gaps are not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    use, dec.use_graphs = dec.use_graphs, False
+    ids = torch.zeros(dec.B, dtype=torch.long, device=dec.device)
+    try:
+        dec._host_pos = int(dec.pos)
+        for _ in range(2):
+            dec.step(ids)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec.step(ids)
+            torch.cuda.synchronize()
+    finally:
+        dec.use_graphs = use
+    rows = sorted(((e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"decode step kernels: {total:.3f} ms of GPU time per step; top {top}:")
+    for name, ms, n in rows[:top]:
+        print(f"  {ms:8.3f} ms  {100 * ms / total:5.1f}%  x{n:<4d} {name[:110]}")
+    return {"kernel_ms_per_step": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
+
+
+def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0) -> dict:
+    from megatron_jetrl.distributed import init_distributed
+    from megatron_jetrl.models.builder import DTYPES, build_model
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+
+    init_distributed(cfg.parallel, cfg.seed)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision),
+                               DTYPES[cfg.precision.params_dtype], cfg.precision.backend)
+    state.small_m_max = cfg.precision.small_m_max
+    r = cfg.rollout
+    engine = LocalEngine(model, state, pad_id=0, seed=cfg.seed, vocab_size=cfg.model.vocab_size, decode=r.decode,
+                         cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=True)
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(3, cfg.model.vocab_size, (batch, prompt_len), generator=g).tolist()
+    params = SamplingParams(new_tokens, 1.0, 1.0, 0, ())
+    cuda = torch.cuda.is_available()
+    engine.generate(prompts, params)  # first rollout: graph capture, Triton compiles
+    first = dict(engine.last_stats)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    gens = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    st = engine.last_stats
+    steps = st.get("decode_steps", new_tokens)
+    # prefill alone, for the per-step decode time: one more prefill on the same decoder
+    dec = engine._decoder
+    tokens, key_pad = engine._left_pad(prompts)
+    with torch.no_grad(), state.rollout_precision():
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if dec is not None:
+            dec.prefill(tokens, key_pad)
+        if cuda:
+            torch.cuda.synchronize()
+        prefill = time.perf_counter() - t1 if dec is not None else float("nan")
+        wbytes = weight_bytes(model)
+        kernels = profile_steps(dec, profile) if profile and dec is not None and cuda else {}
+    layers = cfg.model.num_layers
+    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * (2 if cfg.precision.params_dtype == "bf16" else 4)
+    mean_len = prompt_len + steps / 2
+    decode_ms = (st.get("generate_s", wall) - prefill) / max(1, steps - 1) * 1e3
+    bound_ms = wbytes / (bandwidth * 1e12) * 1e3
+    out = {"mode": cfg.precision.mode, "batch": batch, "prompt_len": prompt_len, "new_tokens": steps,
+           "decode": r.decode, "cuda_graphs": bool(st.get("cuda_graphs", False)),
+           "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
+           "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
+           "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
+           "kv_GB_read_per_step_mean": batch * mean_len * kv_per_tok / 1e9,
+           "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+           "small_m_max": state.small_m_max, "sample_tokens": sum(len(x.output_ids) for x in gens)}
+    if kernels:
+        out["kernel_ms_per_step"] = kernels["kernel_ms_per_step"]
+        out["top_kernels"] = kernels["top"]
+    del engine, model, dec
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import load_config
+
+    ap = argparse.ArgumentParser(prog="jetrl bench rollout", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--modes", default="bf16,jet")
+    ap.add_argument("--batch", default="256", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--bandwidth", type=float, default=4.2, help="TB/s for the weight-bandwidth bound")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also print the GPU kernel time per decode step by kernel, over STEPS steps (CUDA)")
+    ap.add_argument("--json")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
+    args = ap.parse_args(argv)
+    rows = []
+    for batch in map(int, args.batch.split(",")):
+        for mode in args.modes.split(","):
+            cfg = load_config(_preset_path(args.preset), [*args.overrides, f"precision.mode={mode}"])
+            rows.append(run_mode(cfg, batch, args.prompt_len, args.new_tokens, args.bandwidth, args.profile))
+            print({k: v for k, v in rows[-1].items() if k != "top_kernels"}, flush=True)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens")
+    shown = []
+    for r in rows:
+        base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"]), None)
+        shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
+    cols = ["mode", "batch", "new_tokens", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
+            "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
+            "capture_s_first_rollout", "peak_GiB", "small_m_max"] + (["kernel_ms_per_step"] if all("kernel_ms_per_step" in r for r in rows) else [])
+    print_table(shown, cols)
+    dump_json(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
