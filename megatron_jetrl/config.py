@@ -188,6 +188,9 @@ class PrecisionConfig:
     """Rollout forwards with at most this many tokens use the fused small-M Triton block-FP8 GEMM
     (activation quantization inside) instead of cuBLAS; 0 = off. Set it from the crossover that
     ``jetrl bench linear --decode`` prints for your GPU."""
+    fuse_swiglu: bool = True
+    """FP8 MLPs: run fc2's SwiGLU inside its activation quantizer (one pass over fc1's output, no
+    BF16 activation written; same FP8 bytes as the unfused ops)."""
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""

@@ -197,3 +197,18 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, tmp_path, mega
         for a, b in zip(outs[True][k], outs[False][k]):
             assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
     assert [x.output_ids for x in outs[True][0]] != [x.output_ids for x in outs[True][1]]
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,F", [(4096, 14336), (33, 300)])
+def test_fused_swiglu_quant_bit_identical(M, F, dtype, scale_fmt):
+    """The fused SwiGLU + 1x128 quantizer writes the bytes and scales of torch's SwiGLU (silu then
+    mul, each rounded to the input dtype) followed by the torch statement of the quantizer."""
+    from megatron_jetrl.precision.quant import quantize_swiglu, swiglu
+
+    recipe = FP8Recipe(scale_fmt=scale_fmt)
+    y = _x((M, 2 * F), dtype) * 2
+    q, s = quantize_swiglu(y, recipe)
+    q_r, s_r = quantize_act(swiglu(y), recipe, use_triton=False)
+    assert _same(q, q_r) and torch.equal(s, s_r)

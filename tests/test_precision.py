@@ -306,3 +306,102 @@ def test_quantized_weights_vs_sglang_and_modelopt_references():
     assert torch.isnan(mq._quantized_data[:128, :128].float()).all()  # 0 / 0
     mqb, msb = FP8QTensor.quantize(w.bfloat16(), block_sizes={-1: 128, -2: 128})
     assert msb.dtype == torch.bfloat16 and not torch.equal(msb.float()[ordinary], s[ordinary])
+
+
+def test_fused_swiglu_fp8_linear_forward_and_gradients():
+    """fc2 with the SwiGLU fused into its activation quantizer: the same output bytes as SwiGLU
+    followed by the FP8 linear, and the same gradients for fc1's output and fc2's weight (the
+    fused backward differentiates SwiGLU in fp32 itself; autograd goes through silu and mul)."""
+    from megatron_jetrl.precision.linear import FP8SwigluLinearFunction
+    from megatron_jetrl.precision.quant import quantize_swiglu, swiglu
+
+    r = FP8Recipe(mode="jet")
+    g = torch.Generator().manual_seed(4)
+    y = (torch.randn(3, 5, 2 * 384, generator=g) * 2).requires_grad_()
+    w = (torch.randn(256, 384, generator=g) * 0.05).requires_grad_()
+    qw, ws = quantize_weight(w.detach(), r)
+    q, s = quantize_swiglu(y.detach(), r)
+    q_ref, s_ref = quantize_act(swiglu(y.detach()), r)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    dout = torch.randn(3, 5, 256, generator=g)
+    out = FP8SwigluLinearFunction.apply(y, w, qw, ws, None, None, r, "emulated")
+    out.backward(dout)
+    dy_fused, dw_fused = y.grad.clone(), w.grad.clone()
+    y.grad = w.grad = None
+    ref = FP8LinearFunction.apply(swiglu(y), w, qw, ws, None, None, r, "emulated")
+    ref.backward(dout)
+    assert torch.equal(out, ref)
+    assert _rel(dy_fused, y.grad) < 1e-5 and torch.allclose(dw_fused, w.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_jet_mlp_fuses_swiglu_only_when_fc2_runs_fp8(fuse, megatron_single):
+    """The dense MLP is models.spec.JetMLP; with precision.fuse_swiglu on and fc2 in FP8 the
+    SwiGLU runs inside fc2's quantizer (FP8SwigluLinearFunction in the graph), otherwise it is
+    megatron-core's MLP forward; both give the same output and gradients."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.models.spec import JetMLP
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    mlp = model.decoder.layers[0].mlp
+    assert isinstance(mlp, JetMLP)
+    x = torch.randn(7, 2, cfg.model.hidden_size)
+    outs = {}
+    for f in (True, False):
+        state.fuse_swiglu = f
+        model.zero_grad()
+        out, _ = mlp(x)
+        names = set()
+        node = out.grad_fn
+        while node is not None and len(names) < 50:  # the ops just above fc2's output
+            names.add(type(node).__name__)
+            node = node.next_functions[0][0] if node.next_functions else None
+        out.square().sum().backward()
+        outs[f] = (out.detach(), mlp.linear_fc1.weight.grad.clone(), names)
+    assert any("FP8SwigluLinearFunction" in n for n in outs[True][2])
+    assert not any("FP8SwigluLinearFunction" in n for n in outs[False][2])
+    assert torch.equal(outs[True][0], outs[False][0])
+    assert _rel(outs[True][1], outs[False][1]) < 1e-5
+    state.fuse_swiglu = fuse  # the setting only changes the path, not the numbers (checked above)
+    state.forward_fp8 = False  # bf16 forward: megatron-core's MLP, fc2 never sees [gate | up]
+    out, _ = mlp(x)
+    assert out.shape == outs[True][0].shape and not mlp.linear_fc2.swiglu_input
+
+
+def test_fused_swiglu_quant_kernel_under_the_interpreter():
+    """The fused SwiGLU + 1x128 quantization Triton kernel (CUDA in production) under Triton's CPU
+    interpreter on fp32 input: the bytes and scales of the unfused SwiGLU + Triton quantizer. (The
+    interpreter rounds fp32 -> bf16 differently from the GPU, so bf16 input is checked on the H200,
+    tests/test_gpu.py; its exp is numpy's, one ulp off torch's at times, so the reference SwiGLU
+    here uses numpy's exp too.)"""
+    import subprocess
+    import sys
+
+    code = r'''
+import numpy as np
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.triton_quant import quantize_act_triton, swiglu_quant_triton
+def swiglu(y):
+    g, u = y.chunk(2, -1)
+    g = g.numpy()
+    return torch.from_numpy(g / (np.float32(1) + np.exp(-g))) * u
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, F in ((37, 300), (4, 256)):
+        y = torch.randn(M, 2 * F, generator=torch.Generator().manual_seed(M)) * 3
+        y[0, :F] = 0.0  # a zero gate row: zero group, eps scale
+        for col_major in (False, True):
+            q, s = swiglu_quant_triton(y, r, col_major)
+            qr, sr = quantize_act_triton(swiglu(y), r, col_major)
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, F)
+            assert s.stride() == sr.stride()
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

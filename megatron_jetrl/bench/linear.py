@@ -56,6 +56,19 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
         row["triton_weight_TBps"] = (N * K + N * K // 16384 * 4) / row["triton_small_m_ms"] / 1e9
         row["bf16_weight_TBps"] = 2 * N * K / row["bf16_fwd_ms"] / 1e9
         row["triton_vs_emulated_rel"] = ((small_m_linear(x, qw, sw, recipe, torch.float32) - ref).norm() / ref.norm()).item()
+    if backward and N < K:  # an fc2 shape: its input is SwiGLU(fc1 output)
+        from megatron_jetrl.precision.linear import FP8SwigluLinearFunction
+        from megatron_jetrl.precision.quant import quantize_swiglu, swiglu
+
+        y1 = torch.randn(M, 2 * K, device=dev, dtype=torch.bfloat16)
+        row["swiglu_ms"] = time_ms(lambda: swiglu(y1))
+        row["fused_swiglu_quant_ms"] = time_ms(lambda: quantize_swiglu(y1, recipe, scale_col_major=True))
+        # the quantization's cost once fused: what the fused pass adds over the BF16 SwiGLU alone
+        row["fused_act_quant_share_of_gemm"] = max(0.0, row["fused_swiglu_quant_ms"] - row["swiglu_ms"]) / row["fp8_gemm_ms"]
+        row["bf16_swiglu_fc2_fwd_ms"] = time_ms(lambda: F.linear(swiglu(y1), w))
+        row["fp8_fused_swiglu_fc2_fwd_ms"] = time_ms(
+            lambda: FP8SwigluLinearFunction.apply(y1, w, qw, sw, None, None, recipe, backend))
+        row["swiglu_fc2_fwd_speedup"] = row["bf16_swiglu_fc2_fwd_ms"] / row["fp8_fused_swiglu_fc2_fwd_ms"]
     if backward:
         xg = x.clone().requires_grad_()
         wg = w.clone().requires_grad_()
@@ -95,8 +108,9 @@ def main(argv=None) -> list[dict]:
     cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "triton_small_m_ms", "triton_speedup",
             "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "fp8_fwd_eager_ms", "triton_eager_ms", "act_quant_share_of_gemm",
             "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
-            "weight_quant_ms", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
-    print_table(rows, [c for c in cols if c in rows[0]])
+            "weight_quant_ms", "swiglu_ms", "fused_swiglu_quant_ms", "fused_act_quant_share_of_gemm",
+            "bf16_swiglu_fc2_fwd_ms", "fp8_fused_swiglu_fc2_fwd_ms", "swiglu_fc2_fwd_speedup", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
+    print_table(rows, [c for c in cols if any(c in r for r in rows)])
     if args.decode:
         # the largest M at which the fused kernel beats cuBLAS scaled_mm on every shape
         ok = [M for M in DECODE_M if all(r["triton_small_m_ms"] < r["fp8_fwd_ms"] for r in rows if r["M"] == M)]

@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -68,6 +69,29 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
+class JetMLP(MLP):
+    """megatron-core's MLP; when fc2 runs FP8 and the activation is SwiGLU, fc2 receives fc1's
+    output and fuses the SwiGLU into its activation quantizer (``FP8SwigluLinearFunction``: one pass
+    over [gate | up], no BF16 activation written). Same bytes as the unfused path; everything else
+    (BF16 modes, other activations, per-token scales, clamps) is megatron-core's forward."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        fc2, cfg = self.linear_fc2, self.config
+        state = getattr(fc2, "fp8_state", None)
+        if (per_token_scale is not None or state is None or not state.fuse_swiglu or not fc2.fp8_active()
+                or not cfg.gated_linear_unit or cfg.activation_func is not F.silu or cfg.use_te_activation_func
+                or cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset != 0):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        y, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            y = y + bias
+        fc2.swiglu_input = True
+        try:
+            return fc2(y)
+        finally:
+            fc2.swiglu_input = False
+
+
 class JetSpecProvider(LocalSpecProvider):
     """megatron-core's local modules with our FP8 linears and SDPA core attention."""
 
@@ -88,6 +112,22 @@ class JetSpecProvider(LocalSpecProvider):
 
         return partial(SequentialMLP, submodules=MLPSubmodules(
             linear_fc1=FP8ColumnParallelLinear, linear_fc2=FP8RowParallelLinear))
+
+
+def _mlp_spec(backend, num_experts):
+    """megatron-core's MLP spec, the dense MLP swapped for ``JetMLP`` (0.19.2 builds it through
+    ``partial(MLP.as_mlp_submodule, submodules=...)``; a ModuleSpec form is handled too)."""
+    from functools import partial
+
+    spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts, moe_grouped_gemm=False)
+    if num_experts is not None:
+        return spec
+    if isinstance(spec, partial) and spec.func == MLP.as_mlp_submodule:
+        return partial(JetMLP.as_mlp_submodule, *spec.args, **spec.keywords)
+    if isinstance(spec, ModuleSpec) and spec.module is MLP:
+        spec.module = JetMLP
+        return spec
+    raise TypeError(f"unexpected megatron-core MLP spec {spec!r}: update models/spec.py for this version")
 
 
 def layer_spec(qk_norm: bool, num_experts: Optional[int] = None) -> ModuleSpec:
@@ -112,8 +152,7 @@ def layer_spec(qk_norm: bool, num_experts: Optional[int] = None) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
-                                                moe_grouped_gemm=False),
+            mlp=_mlp_spec(backend, num_experts),
             mlp_bda=get_bias_dropout_add,
         ),
     )

@@ -44,6 +44,9 @@ class FP8ModelState:
         self.small_m_max = 0
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
+        # the gated MLP hands fc2 the pre-activation and SwiGLU runs inside the FP8 activation
+        # quantizer (precision.fuse_swiglu; models.spec.JetMLP)
+        self.fuse_swiglu = True
 
     def bump(self) -> None:
         """Invalidate every cached FP8 weight (call after the weights changed)."""
@@ -136,25 +139,63 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
-        recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
-        N = dy.shape[-1]
-        dy2 = dy.reshape(-1, N)
-        if perm is not None:
-            dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
-        # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
-        dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
-        dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
-        # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
-        # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
-        if recipe.wgrad == "fp8":
-            dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
-            xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
-            dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=torch.float32, group=g)
-        else:
-            dw = dy2.t().float() @ dequantize_act(xq, xs, g)
+        dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm)
+        return dx, dw, None, None, None, None, None, None
+
+
+def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
+    """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring)."""
+    recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
+    N = dy.shape[-1]
+    dy2 = dy.reshape(-1, N)
+    if perm is not None:
+        dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
+    # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
+    dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
+    dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
+    # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
+    # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
+    if recipe.wgrad == "fp8":
+        dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
+        xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
+        dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=torch.float32, group=g)
+    else:
+        dw = dy2.t().float() @ dequantize_act(xq, xs, g)
+    if inv_perm is not None:
+        dw = dw.index_select(0, inv_perm)
+    return dx.view(*dy.shape[:-1], dx.shape[-1]), dw.to(ctx.wdtype)
+
+
+class FP8SwigluLinearFunction(torch.autograd.Function):
+    """``out = swiglu(y) @ W^T`` for the MLP's fc2 with the SwiGLU fused into the activation
+    quantizer: the forward reads fc1's output ``y = [gate | up]`` once and writes only the FP8
+    activation and its scales (``quant.quantize_swiglu``), never the BF16 activation. Saved for
+    backward: ``y`` (which the unfused gated MLP saves too) and the FP8 activation; the backward is
+    the FP8 linear's (dgrad, wgrad) followed by the SwiGLU derivative in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend):
+        from megatron_jetrl.precision.quant import quantize_swiglu
+
+        lead = y.shape[:-1]
+        xq, xs = quantize_swiglu(y.reshape(-1, y.shape[-1]), recipe, scale_col_major=backend == "scaled_mm")
+        out = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=y.dtype, group=recipe.group_size)
         if inv_perm is not None:
-            dw = dw.index_select(0, inv_perm)
-        return dx.view(*dy.shape[:-1], dx.shape[-1]), dw.to(ctx.wdtype), None, None, None, None, None, None
+            out = out.index_select(1, inv_perm)
+        ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
+        ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
+        return out.view(*lead, out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
+        da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
+        gate, up = y.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        da = da.float()
+        dgate = da * up * sig * (1 + gate * (1 - sig))
+        dup = da * gate * sig
+        return torch.cat([dgate, dup], -1).to(y.dtype), dw, None, None, None, None, None, None
 
 
 class FP8LinearMixin:
@@ -164,6 +205,9 @@ class FP8LinearMixin:
     fp8_state: Optional[FP8ModelState] = None
     fp8_cache: Optional[FP8WeightCache] = None
     fp8_backend: Optional[str] = None
+    swiglu_input = False
+    """Set by the gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output
+    ``[gate | up]`` and the SwiGLU runs fused into the activation quantizer."""
 
     def fp8_active(self) -> bool:
         return self.fp8_state is not None and self.fp8_state.forward_fp8
@@ -182,18 +226,26 @@ class FP8LinearMixin:
         M = input.numel() // input.shape[-1]
         if (not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
                 and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
+            from megatron_jetrl.precision.quant import swiglu
             from megatron_jetrl.precision.triton_gemm import small_m_linear
 
+            if self.swiglu_input:  # a few rows: the activation in torch, its quantization in the GEMM
+                input = swiglu(input)
             out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe)
             if cache.inv_perm is not None:
                 out = out.index_select(-1, cache.inv_perm.to(out.device))
             return out if bias is None else out + bias
-        out = FP8LinearFunction.apply(input, weight, qweight, scale_inv, cache.inv_perm, cache.perm,
-                                      self.fp8_state.recipe, self.fp8_backend)
+        fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
+        out = fn.apply(input, weight, qweight, scale_inv, cache.inv_perm, cache.perm, self.fp8_state.recipe,
+                       self.fp8_backend)
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self.fp8_active() or weight is not self.weight:
+            if self.swiglu_input:
+                from megatron_jetrl.precision.quant import swiglu
+
+                input = swiglu(input)
             return super()._forward_impl(input, weight, *args, **kwargs)
         return self._fp8_matmul(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
                                 kwargs.get("tp_group"))

@@ -83,6 +83,26 @@ def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = N
     return q.view(*lead, x.shape[-1]), s.view(*lead, s.shape[-1])
 
 
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``y = [gate | up]`` along the last dim, in ``y``'s dtype: the eager ops
+    of Megatron's unfused gated MLP (and SGLang's ``silu_and_mul`` output before its quantization)."""
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
+                    scale_col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_act(swiglu(y))``; on CUDA one fused Triton pass (the BF16 activation is never
+    written), same bytes and scales."""
+    if use_triton is None:
+        use_triton = y.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+
+        return swiglu_quant_triton(y, recipe, scale_col_major)
+    return quantize_act(swiglu(y), recipe, use_triton=False, scale_col_major=scale_col_major)
+
+
 def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks: ``[N, K] -> q [N, K], scale_inv [ceil(N/128), ceil(K/128)]`` (Triton on

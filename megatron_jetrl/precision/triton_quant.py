@@ -8,9 +8,12 @@ round-to-nearest-even with saturation at 448.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -141,3 +144,64 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Te
                                   TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
                                   num_warps=8)
     return q, s
+
+
+@triton.jit
+def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
+                         inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
+    torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * G + tl.arange(0, G)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    base = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
+    # torch's CUDA silu: x / (1 + expf(-x)) in fp32 with IEEE division, then the tensor's dtype
+    # (libdevice's expf is CUDA's; tl.exp is the fast approximation; the CPU interpreter has only it)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + e)
+    if ROUND_BF16:
+        silu = silu.to(tl.bfloat16).to(tl.float32)
+        a = (silu * up).to(tl.bfloat16).to(tl.float32)
+    else:
+        a = silu * up
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), eps)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    q = tl.clamp(a * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
+
+
+def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y [..., 2F]`` (bf16 or fp32) -> the 1xG quantization of ``silu(y[..., :F]) * y[..., F:]``:
+    (q [..., F], scale_inv) in one pass (the activation is never written in BF16). Same bytes as
+    ``quant.quantize_act(quant.swiglu(y))`` (tested on the H200)."""
+    if y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"swiglu_quant_triton: bf16 or fp32 input expected, got {y.dtype}")
+    lead, F2 = y.shape[:-1], y.shape[-1]
+    y2 = y.reshape(-1, F2)
+    if y2.stride(-1) != 1:
+        y2 = y2.contiguous()
+    M, F, G = y2.shape[0], F2 // 2, recipe.group_size
+    ng = triton.cdiv(F, G)
+    q = torch.empty((M, F), dtype=recipe.dtype, device=y.device)
+    s = (torch.empty((ng, M), dtype=torch.float32, device=y.device).t() if scale_col_major
+         else torch.empty((M, ng), dtype=torch.float32, device=y.device))
+    if M:
+        block_m = 16 if M >= 4096 else 4
+        _swiglu_quant_kernel[(triton.cdiv(M, block_m), ng)](
+            y2, q, s, M, F, y2.stride(0), q.stride(0), s.stride(0), s.stride(1), 1.0 / recipe.fp8_max,
+            recipe.fp8_max, recipe.amax_eps, G=G, BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0",
+            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+            num_warps=4)
+    if scale_col_major:
+        return q.view(*lead, F), s
+    return q.view(*lead, F), s.view(*lead, ng)
