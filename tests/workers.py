@@ -134,3 +134,24 @@ def dp_train_worker(rank, world, run_dir):
     return {"param_sum": float(params.double().sum()), "param_abs": float(params.double().abs().sum()),
             "dist_opt": [type(o).__name__ for o in getattr(run.actor.optimizer, "chained_optimizers", [run.actor.optimizer])],
             "stream": run.stream.state_dict()}
+
+
+def decode_worker(rank, world, jobs, prompts, max_new):
+    """For each ``name: (hf_dir, overrides)``: greedy generations of ``prompts`` with the static
+    decoder and with megatron-core's decode."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.distributed import destroy_distributed
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+
+    out = {}
+    for name, (hf_dir, overrides) in jobs.items():
+        cfg, model, state = build_loaded(hf_dir, overrides)
+        for decode in ("static", "megatron"):
+            engine = LocalEngine(model, state, pad_id=0, vocab_size=cfg.model.vocab_size, decode=decode, bucket=8)
+            gens = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+            out[(name, decode)] = [(g.output_ids, g.output_logprobs) for g in gens]
+        dist.barrier()
+    destroy_distributed()
+    return out
