@@ -34,6 +34,28 @@ def _scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
 
 
 @triton.jit
+def _quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
+                           eps, UE8M0: tl.constexpr):
+    """Quantize the fp32 tile ``x`` [rows, one G-wide group g] with one scale per row; store the
+    E4M3 bytes and the scale_inv."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
+
+
+def _act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: bool):
+    """Empty (q [M, K], scale_inv [M, groups]) for a 1xG quantizer; column-major scales (strides
+    (1, M)) when asked, the form ``scaled_mm`` wants."""
+    ng = triton.cdiv(K, recipe.group_size)
+    q = torch.empty((M, K), dtype=recipe.dtype, device=device)
+    s = (torch.empty((ng, M), dtype=torch.float32, device=device).t() if scale_col_major
+         else torch.empty((M, ng), dtype=torch.float32, device=device))
+    return q, s, ng
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
                       UE8M0: tl.constexpr):
@@ -43,11 +65,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     cols = g * G + tl.arange(0, G)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-    q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
+    _quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
+                           eps, UE8M0)
 
 
 def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False
@@ -59,10 +78,7 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, G = x2.shape[0], recipe.group_size
-    ng = triton.cdiv(K, G)
-    q = torch.empty((M, K), dtype=recipe.dtype, device=x.device)
-    s = (torch.empty((ng, M), dtype=torch.float32, device=x.device).t() if scale_col_major
-         else torch.empty((M, ng), dtype=torch.float32, device=x.device))
+    q, s, ng = _act_outputs(M, K, recipe, x.device, scale_col_major)
     if M:
         block_m = 16 if M >= 4096 else 4
         grid = (triton.cdiv(M, block_m), ng)
@@ -172,11 +188,8 @@ def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride
         a = (silu * up).to(tl.bfloat16).to(tl.float32)
     else:
         a = silu * up
-    amax = tl.maximum(tl.max(tl.abs(a), axis=1), eps)
-    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-    q = tl.clamp(a * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
+    _quantize_store_groups(a, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
+                           eps, UE8M0)
 
 
 def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False
@@ -191,10 +204,7 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if y2.stride(-1) != 1:
         y2 = y2.contiguous()
     M, F, G = y2.shape[0], F2 // 2, recipe.group_size
-    ng = triton.cdiv(F, G)
-    q = torch.empty((M, F), dtype=recipe.dtype, device=y.device)
-    s = (torch.empty((ng, M), dtype=torch.float32, device=y.device).t() if scale_col_major
-         else torch.empty((M, ng), dtype=torch.float32, device=y.device))
+    q, s, ng = _act_outputs(M, F, recipe, y.device, scale_col_major)
     if M:
         block_m = 16 if M >= 4096 else 4
         _swiglu_quant_kernel[(triton.cdiv(M, block_m), ng)](

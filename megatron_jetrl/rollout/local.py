@@ -100,25 +100,13 @@ class LocalEngine:
         B, P = tokens.shape
         was_training = self.model.training
         self.model.eval()
-        out_ids, out_lp = [], []
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        stops = torch.tensor(list(params.stop_token_ids) or [-1], device=self.device)
         try:
             with self.fp8_state.rollout_precision():
                 self._refresh_fp8()
                 dec = self._static_decoder(B, P + params.max_new_tokens)
                 captured = dec.capture_s
                 t0 = time.perf_counter()
-                logits = dec.prefill(tokens, key_pad)
-                for t in range(params.max_new_tokens):
-                    ids, lp = sample_next(logits, params, self.generator)
-                    ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
-                    out_ids.append(ids)
-                    out_lp.append(lp)
-                    done |= torch.isin(ids, stops)
-                    if t == params.max_new_tokens - 1 or (t % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all())):
-                        break
-                    logits = dec.step(ids)
+                out_ids, out_lp = self._sample_loop(dec.prefill(tokens, key_pad), lambda ids, t: dec.step(ids), params)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.last_stats = {"decode_steps": len(out_ids), "graph_capture_s": dec.capture_s - captured,
@@ -126,6 +114,26 @@ class LocalEngine:
         finally:
             self.model.train(was_training)
         return self._finish(prompts, out_ids, out_lp, params)
+
+    def _sample_loop(self, logits, step, params: SamplingParams):
+        """Sample a token per row from ``logits``, get the next logits from ``step(ids, t)``, until
+        ``max_new_tokens`` or every row stopped; returns the per-step ids and logprobs (device)."""
+        B = logits.shape[0]
+        out_ids, out_lp = [], []
+        done = torch.zeros(B, dtype=torch.bool, device=logits.device)
+        stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
+        for t in range(params.max_new_tokens):
+            ids, lp = sample_next(logits, params, self.generator)
+            ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
+            out_ids.append(ids)
+            out_lp.append(lp)
+            done |= torch.isin(ids, stops)
+            # the all-stopped check syncs with the host: every SYNC_EVERY tokens, not per token
+            # (tokens drawn after a row stopped are pad and trimmed by _finish)
+            if t == params.max_new_tokens - 1 or (t % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all())):
+                break
+            logits = step(ids, t)
+        return out_ids, out_lp
 
     @torch.no_grad()
     def _generate_megatron(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -139,30 +147,23 @@ class LocalEngine:
         allowed |= torch.eye(P, dtype=torch.bool, device=dev)[None]  # pad rows see themselves (no NaN)
         was_training = self.model.training
         self.model.eval()
-        out_ids, out_lp = [], []
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        stops = torch.tensor(list(params.stop_token_ids) or [-1], device=dev)
+        state = {"key_pad": key_pad}
+
+        def step(ids, t):
+            state["key_pad"] = torch.cat([state["key_pad"], torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
+            pos = torch.full((B, 1), P + t, device=dev)
+            logits = self._logits(self.model(ids[:, None], pos, state["key_pad"][:, None, None, :],
+                                             inference_context=ctx))[:, -1]
+            ctx.increment_sequence_len_offset(1)
+            return logits
+
         try:
             with self.fp8_state.rollout_precision():
                 pos = torch.arange(P, device=dev).expand(B, P)
                 logits = self._logits(self.model(tokens, pos, ~allowed[:, None], inference_context=ctx))[:, -1]
                 ctx.increment_sequence_len_offset(P)
                 ctx.enable_decode_mode()
-                for t in range(params.max_new_tokens):
-                    ids, lp = sample_next(logits, params, self.generator)
-                    ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
-                    out_ids.append(ids)
-                    out_lp.append(lp)
-                    done |= torch.isin(ids, stops)
-                    # the all-stopped check syncs with the host: every SYNC_EVERY tokens, not per token
-                    # (tokens drawn after a row stopped are pad and trimmed below)
-                    if t == params.max_new_tokens - 1 or (t % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all())):
-                        break
-                    key_pad = torch.cat([key_pad, torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
-                    pos = torch.full((B, 1), P + t, device=dev)
-                    logits = self._logits(self.model(ids[:, None], pos, key_pad[:, None, None, :],
-                                                     inference_context=ctx))[:, -1]
-                    ctx.increment_sequence_len_offset(1)
+                out_ids, out_lp = self._sample_loop(logits, step, params)
         finally:
             self.model.train(was_training)
         return self._finish(prompts, out_ids, out_lp, params)
