@@ -20,3 +20,18 @@ def test_bench_step_harness(tmp_path):
         assert 0 <= r["requant_handover_share"] < 1
     assert rows[0]["requant"] == 0 and rows[2]["requant"] > 0  # bf16 quantizes nothing
     assert "step speedup vs bf16" in out.stdout and os.path.getsize(tmp_path / "phases.png") > 10_000
+
+
+def test_bench_rollout_harness(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "bench", "rollout", "--preset", "tiny", "--batch", "3,5",
+                          "--new-tokens", "12", "--prompt-len", "4", "--json", str(tmp_path / "rows.json")],
+                         env=dict(os.environ, PYTHONPATH=REPO), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.load(open(tmp_path / "rows.json"))
+    assert [(r["mode"], r["batch"]) for r in rows] == [("bf16", 3), ("jet", 3), ("bf16", 5), ("jet", 5)]
+    for r in rows:  # no stop tokens: every row runs to the end
+        assert r["new_tokens"] == 12 and r["sample_tokens"] == 12 * r["batch"] and not r["cuda_graphs"]
+        assert r["rollout_s"] > r["prefill_s"] > 0 and r["decode_step_ms"] > 0
+    # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
+    assert rows[1]["weight_GB"] < rows[0]["weight_GB"]
+    assert "tokens/s vs bf16" in out.stdout

@@ -100,7 +100,7 @@ def test_checkpoint_file_errors(tmp_path, megatron_single):
 
 def test_cli_help_and_bad_override():
     env = dict(os.environ, PYTHONPATH=REPO)
-    for sub in (["train"], ["serve"], ["launch"], ["plot"], ["bench", "linear"], ["bench", "step"], ["mismatch"]):
+    for sub in (["train"], ["serve"], ["launch"], ["plot"], ["bench", "linear"], ["bench", "step"], ["bench", "rollout"], ["mismatch"]):
         out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", *sub, "--help"], env=env,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "usage: jetrl" in out.stdout, sub
