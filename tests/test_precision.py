@@ -210,12 +210,16 @@ for fmt in ("fp32", "ue8m0"):
     r = FP8Recipe(mode="jet", scale_fmt=fmt)
     g = torch.Generator().manual_seed(0)
     # None: the launch plan; then split-K (3 splits over 8 groups, the last one short) and other tiles
-    for M, N, K, bn, split in ((1, 256, 384, None, None), (5, 384, 320, None, None), (33, 128, 256, None, None),
-                               (2, 200, 1000, 32, 3), (17, 384, 1024, 128, 8)):
+    # and x quantized once beforehand (prequant) with other row tiles
+    for M, N, K, bn, split, pre, bm in ((1, 256, 384, None, None, False, None), (5, 384, 320, None, None, False, None),
+                                        (33, 128, 256, None, None, False, None), (2, 200, 1000, 32, 3, False, None),
+                                        (17, 384, 1024, 128, 8, False, None), (40, 256, 640, 64, 2, True, 32),
+                                        (3, 130, 300, None, None, True, None)):
         x = torch.randn(M, K, generator=g) * 3
         w = torch.randn(N, K, generator=g)
         qw, ws = quantize_weight(w, r)
-        y, q, s = small_m_linear(x, qw, ws, r, torch.float32, return_quantized=True, block_n=bn, split_k=split)
+        y, q, s = small_m_linear(x, qw, ws, r, torch.float32, return_quantized=True, block_n=bn, split_k=split,
+                                 prequant=pre, block_m=bm)
         qr, sr = quantize_act_triton(x, r)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N, K)
         ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)

@@ -29,7 +29,8 @@ from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
 def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_per_split,
                     stride_xm, stride_wn, stride_wsn, stride_ys, stride_ym, stride_qm, stride_sm,
                     inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr):
+                    UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PREQ: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -42,10 +43,14 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         k = kb * G + kk
         xm = (rows[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-        x_scale, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-        xq = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+        if PREQ:  # x quantized once beforehand (q_ptr/s_ptr are inputs): FP8 tiles, no re-quantization per N tile
+            xq = tl.load(q_ptr + rows[:, None] * stride_qm + k[None, :], mask=xm, other=0.0)
+            x_scale = tl.load(s_ptr + rows * stride_sm + kb, mask=rows < M, other=0.0)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+            x_scale, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+            xq = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
         if STORE_Q:  # for tests: the quantized activations, to compare with quant.quantize_act
             if pid_n == 0:
                 tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], xq, mask=xm)
@@ -76,14 +81,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | None = None,
-         split_k: int | None = None, waves: float = 2.0) -> tuple[int, int, int, int]:
+         split_k: int | None = None, waves: float = 2.0, block_m: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, groups per split) for one call. At decode sizes an N-tile grid
     alone leaves most SMs idle (N=4096 in 128-wide tiles is 32 programs on 132 SMs), so K is split
     until about ``waves`` programs per SM run; the fp32 partials cost M*N*4 bytes per split, small
     next to the weight while M is small. The defaults are the best plans ``tools/tune_small_m.py``
     measured on the H200 (docs/benchmarks.md): 128-wide N tiles, split 8 for N=4096 and 2 for
     N=14336 at M <= 64."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_m = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
     block_n = block_n or 128
     groups = triton.cdiv(K, G)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -98,11 +103,14 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
 
 def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, recipe: FP8Recipe,
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
-                   block_n: int | None = None, split_k: int | None = None, num_stages: int = 3):
+                   block_n: int | None = None, split_k: int | None = None, num_stages: int = 3,
+                   block_m: int | None = None, prequant: bool = False, num_warps: int = 4):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
-    activation bytes and scales the kernel used, for tests). ``block_n``/``split_k`` override the
-    launch plan (``tools/tune_small_m.py`` sweeps them)."""
+    activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
+    ``num_stages``/``num_warps`` override the launch plan (``tools/tune_small_m.py`` sweeps them). ``prequant``: quantize x once
+    with the Triton activation quantizer and stream FP8 tiles (for M beyond a few rows, where
+    re-quantizing per N tile costs more than one extra kernel; not yet timed on a GPU)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -111,19 +119,24 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if qweight.shape[1] != K or w_scale.shape != (triton.cdiv(N, G), triton.cdiv(K, G)):
         raise ValueError(f"small_m_linear: weight {tuple(qweight.shape)} / scale {tuple(w_scale.shape)} do not match K={K}")
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
-    q = torch.empty((M, K), dtype=recipe.dtype, device=x.device) if return_quantized else y
-    s = torch.empty((M, triton.cdiv(K, G)), dtype=torch.float32, device=x.device) if return_quantized else y
+    if prequant:
+        from megatron_jetrl.precision.triton_quant import quantize_act_triton
+
+        q, s = quantize_act_triton(x2, recipe)
+    else:
+        q = torch.empty((M, K), dtype=recipe.dtype, device=x.device) if return_quantized else y
+        s = torch.empty((M, triton.cdiv(K, G)), dtype=torch.float32, device=x.device) if return_quantized else y
     if M:
-        block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k)
+        block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m)
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
         _small_m_kernel[grid](x2, qweight, w_scale, part, q, s, M, N, K, per, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
-                              q.stride(0) if return_quantized else 0,
-                              s.stride(0) if return_quantized else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
+                              q.stride(0) if return_quantized or prequant else 0,
+                              s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
                               recipe.amax_eps, G=G, BLOCK_M=block_m, BLOCK_N=block_n,
-                              UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized,
-                              NUM_STAGES=num_stages, num_warps=4)
+                              UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized and not prequant,
+                              NUM_STAGES=num_stages, PREQ=prequant, num_warps=num_warps)
         if split > 1:
             block = 1024
             _split_sum_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLIT=split, BLOCK=block)
