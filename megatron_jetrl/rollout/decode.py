@@ -78,10 +78,9 @@ class StaticDecoder:
         self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)
         with torch.no_grad():
             self.freqs = self.gpt.rotary_pos_emb(max_len)  # [L, 1, 1, rot_dim]
-        # the decode step's static inputs and output
+        # the decode step's static inputs (its outputs are the captured graphs' own buffers)
         self.ids = torch.zeros(batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.logits = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
