@@ -76,3 +76,9 @@ def test_vocab_parallel_logp_and_entropy_match_plain_torch(megatron_single):
     assert torch.allclose(ent, L.entropy_from_logits(logits.detach() / 0.7), atol=1e-5)
     (logp.sum() + ent.sum()).backward()  # both differentiable
     assert torch.isfinite(logits.grad).all()
+    # entropy as a metric only (no entropy bonus): same values, no autograd graph through it, and
+    # the logp gradient unchanged
+    g_ref = torch.autograd.grad(vocab_parallel_logp_entropy(logits, labels, 0.7, False)[0].sum(), logits)[0]
+    logp2, ent2 = vocab_parallel_logp_entropy(logits, labels, 0.7, True, entropy_grad=False)
+    assert torch.equal(logp2, logp) and torch.allclose(ent2, ent, atol=1e-6) and not ent2.requires_grad
+    assert torch.equal(torch.autograd.grad(logp2.sum(), logits)[0], g_ref)

@@ -58,17 +58,35 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], response_l
 
 
 def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                                with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                                with_entropy: bool, entropy_grad: bool = True
+                                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log p(label) under softmax(logits / T) and the entropy, with the vocabulary split over TP
-    ranks (megatron-core's vocab-parallel cross entropy; entropy from all-reduced partial sums)."""
-    from megatron.core import parallel_state, tensor_parallel
+    ranks (megatron-core's vocab-parallel cross entropy; entropy from all-reduced partial sums).
+
+    ``entropy_grad=False``: the entropy is a metric only (no entropy bonus): computed without
+    autograd before the cross entropy consumes ``z`` in place, so neither a second fp32 copy of the
+    [tokens x vocab] logits nor the exp() of it is kept for backward (several GB per micro-batch
+    at a 128K vocabulary)."""
+    from megatron.core import tensor_parallel
 
     z = logits.float() / temperature
+    entropy = None
+    if with_entropy and not entropy_grad:
+        with torch.no_grad():
+            entropy = _entropy(z)
     # megatron's vocab-parallel cross entropy works in place on its input: give it its own copy
     # when z is needed afterwards.
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(z.clone() if with_entropy else z, labels)
-    if not with_entropy:
-        return logp, None
+    need_z = with_entropy and entropy_grad
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(z.clone() if need_z else z, labels)
+    if need_z:
+        entropy = _entropy(z)
+    return logp, entropy
+
+
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(z) over the TP-split last dim (differentiable when z is)."""
+    from megatron.core import parallel_state
+
     group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         zmax = z.max(-1, keepdim=True).values
@@ -81,8 +99,7 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
 
         sums = reduce_from_tensor_model_parallel_region(sums)
     lse = torch.log(sums[0]) + zmax.squeeze(-1)
-    entropy = lse - sums[1] / sums[0]
-    return logp, entropy
+    return lse - sums[1] / sums[0]
 
 
 def _microbatch(b: RLBatch) -> dict:
@@ -239,7 +256,7 @@ class Actor:
         def loss_func(mb, logits):
             b = mb["batch"]
             logp, ent = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], self.temperature,
-                                                    with_entropy=True)
+                                                    with_entropy=True, entropy_grad=bool(a.entropy_coef))
             is_w = None
             if a.tis_cap is not None:
                 is_w = L.truncated_is_weights(b.old_logp, b.rollout_logp, a.tis_cap)
@@ -259,7 +276,7 @@ class Actor:
             st["pg_loss"] = L.masked_mean(per_tok.detach(), b.mask)
             if is_w is not None:
                 st["tis_weight_mean"] = L.masked_mean(is_w, b.mask)
-            stats.append({k: float(v) for k, v in st.items()})
+            stats.append({k: v.detach() if torch.is_tensor(v) else v for k, v in st.items()})  # no host sync here
             return loss, {}
 
         self.model.zero_grad_buffer()
@@ -269,9 +286,9 @@ class Actor:
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
         out["time_fwd_bwd"] = fwd_bwd
-        if stats:
+        if stats:  # one host sync for all micro-batches' statistics
             for k in stats[0]:
-                out[k] = sum(s[k] for s in stats) / len(stats)
+                out[k] = float(sum(s[k] for s in stats) / len(stats))
         return out
 
     def sft_step(self, batch: RLBatch) -> dict:
@@ -283,12 +300,12 @@ class Actor:
         def loss_func(mb, logits):
             b = mb["batch"]
             logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], 1.0, False)
-            losses.append(float(L.masked_mean(-logp.detach(), b.mask)))
+            losses.append(L.masked_mean(-logp.detach(), b.mask))  # summed on the host once, below
             return -(logp * b.mask).sum() * scale, {}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
         out = self._optimizer_step(self.algo.sft_lr)
-        out["sft_loss"] = sum(losses) / max(len(losses), 1)
+        out["sft_loss"] = float(sum(losses) / len(losses)) if losses else 0.0
         return out
