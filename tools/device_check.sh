@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
-#   bash tools/device_check.sh [tests|linear|mismatch|train ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|step|mismatch|train ...]   (default: all)
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -14,6 +14,22 @@ if want tests; then
 fi
 if want linear; then
   timeout 150 python3 -m megatron_jetrl.cli bench linear --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt
+fi
+if want decode; then
+  timeout 90 python3 -m megatron_jetrl.cli bench linear --decode --json $OUT/bench_decode.json 2>&1 | tee $OUT/bench_decode.txt
+fi
+if want tune; then  # the small-M kernel's plans, incl. the pre-quantized activation
+  timeout 240 python3 tools/tune_small_m.py --m 1,16,64,256 --split 1,2,8 --stages 3 --block-n 64,128 --prequant 0,1 \
+    --json $OUT/tune_small_m.json 2>&1 | tail -30 | tee $OUT/tune_small_m.txt
+fi
+if want rollout; then
+  timeout 300 python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch 64,256 --new-tokens 1024 \
+    --prompt-len 128 --json $OUT/bench_rollout.json 2>&1 | grep -v -i warn | tee $OUT/bench_rollout.txt
+fi
+if want step; then
+  timeout 240 python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps 2 --warmup 1 \
+    --plot $OUT/step_phases_h200.png --json $OUT/bench_step.json model.num_layers=8 rollout.max_new_tokens=1024 \
+    rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 2>&1 | grep -v -i warn | tee $OUT/bench_step.txt
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
