@@ -215,3 +215,24 @@ def test_static_decoder_under_tensor_parallelism(tmp_path):
                 assert [ids for ids, _ in r[(mt, decode)]] == ref, (mt, decode)
             for (_, a), (_, b) in zip(r[(mt, "static")], single[(mt, "static")]):
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, mt
+
+
+def test_static_decoder_reused_across_batch_sizes(tmp_path, megatron_single):
+    """Requests of 5, 3 and 7 prompts share one decoder of 8 rows (the extra rows decode pad tokens,
+    never sampled); each request's greedy tokens equal a fresh engine's on that request alone, and
+    a request of 17 prompts gets a new decoder of 24 rows."""
+    make_hf_model("llama", str(tmp_path), seed=3)
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"])
+    g = torch.Generator().manual_seed(2)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    shared = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
+    decoders = []
+    for n in (5, 3, 7, 17):
+        prompts = [torch.randint(3, 384, (int(k),), generator=g).tolist() for k in [8, *torch.randint(2, 9, (n - 1,), generator=g)]]
+        got = shared.generate(prompts, params)
+        decoders.append(shared._decoder)
+        alone = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4, decode="megatron").generate(prompts, params)
+        assert [x.output_ids for x in got] == [x.output_ids for x in alone], n
+        assert len(got) == n
+    assert decoders[0] is decoders[1] is decoders[2] and decoders[0].B == 8
+    assert decoders[3] is not decoders[0] and decoders[3].B == 24

@@ -94,6 +94,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     # prefill alone, for the per-step decode time: one more prefill on the same decoder
     dec = engine._decoder
     tokens, key_pad = engine._left_pad(prompts)
+    if dec is not None:
+        tokens, key_pad = engine.pad_rows(tokens, key_pad, dec.B)
     with torch.no_grad(), state.rollout_precision():
         if cuda:
             torch.cuda.synchronize()

@@ -17,6 +17,7 @@ from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
 
 SYNC_EVERY = 8
+ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many rows
 
 
 class LocalEngine:
@@ -53,13 +54,17 @@ class LocalEngine:
                     m.fp8_weight()
 
     def _static_decoder(self, B: int, max_len: int):
+        """The static decoder for ``B`` rows up to ``max_len`` tokens: the kept one when it has
+        room (length, and at most twice the rows rounded up: its extra rows decode pad tokens), else a
+        new one with the rows rounded up to a multiple of ``ROW_MULTIPLE`` (varying request sizes, as a
+        ``jetrl serve`` worker sees, then share one KV cache and one set of CUDA graphs)."""
         from megatron_jetrl.rollout.decode import StaticDecoder
 
-        d = self._decoder
-        if d is None or d.B != B or d.L < max_len:
+        d, rows = self._decoder, -(-B // ROW_MULTIPLE) * ROW_MULTIPLE
+        if d is None or not B <= d.B <= 2 * rows or d.L < max_len:
             self._decoder = None  # free the old cache before allocating the new one
-            d = StaticDecoder(self.model, B, max_len, self.vocab_size, self.bucket,
-                              use_graphs=self.cuda_graphs and self.device.type == "cuda")
+            d = StaticDecoder(self.model, rows, max_len,
+                              self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda")
         self._decoder = d if self.keep_cache else None
         return d
 
@@ -92,6 +97,14 @@ class LocalEngine:
             key_pad[i, P - len(p):] = False
         return tokens, key_pad
 
+    def pad_rows(self, tokens: torch.Tensor, key_pad: torch.Tensor, rows: int):
+        """Left-padded ``tokens``/``key_pad`` extended to ``rows`` rows of pad tokens (all masked)."""
+        extra, P = rows - tokens.shape[0], tokens.shape[1]
+        if extra <= 0:
+            return tokens, key_pad
+        return (torch.cat([tokens, torch.full((extra, P), self.pad_id, dtype=tokens.dtype, device=tokens.device)]),
+                torch.cat([key_pad, torch.ones((extra, P), dtype=torch.bool, device=key_pad.device)]))
+
     @torch.no_grad()
     def _generate_static(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         import time
@@ -104,9 +117,13 @@ class LocalEngine:
             with self.fp8_state.rollout_precision():
                 self._refresh_fp8()
                 dec = self._static_decoder(B, P + params.max_new_tokens)
+                extra = dec.B - B  # rows beyond the batch decode pad tokens and are never sampled
+                tokens, key_pad = self.pad_rows(tokens, key_pad, dec.B)
+                pads = torch.full((extra,), self.pad_id, dtype=torch.long, device=self.device)
                 captured = dec.capture_s
                 t0 = time.perf_counter()
-                out_ids, out_lp = self._sample_loop(dec.prefill(tokens, key_pad), lambda ids, t: dec.step(ids), params)
+                step = (lambda ids, t: dec.step(torch.cat([ids, pads]))[:B]) if extra else (lambda ids, t: dec.step(ids))
+                out_ids, out_lp = self._sample_loop(dec.prefill(tokens, key_pad)[:B], step, params)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.last_stats = {"decode_steps": len(out_ids), "graph_capture_s": dec.capture_s - captured,
