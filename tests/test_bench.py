@@ -24,7 +24,7 @@ def test_bench_step_harness(tmp_path):
 
 def test_bench_rollout_harness(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "bench", "rollout", "--preset", "tiny", "--batch", "3,5",
-                          "--new-tokens", "12", "--prompt-len", "4", "--json", str(tmp_path / "rows.json")],
+                          "--new-tokens", "12", "--prompt-len", "4", "--profile", "4", "--json", str(tmp_path / "rows.json")],
                          env=dict(os.environ, PYTHONPATH=REPO), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.load(open(tmp_path / "rows.json"))
@@ -35,3 +35,18 @@ def test_bench_rollout_harness(tmp_path):
     # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
     assert rows[1]["weight_GB"] < rows[0]["weight_GB"]
     assert "tokens/s vs bf16" in out.stdout
+    assert out.stdout.count("decode step:") == 4 and all(r["kernel_ms_per_step"] > 0 for r in rows)
+
+
+def test_kernel_table_on_cpu():
+    """The profiler table the benchmarks print (--profile): per-call times of the ops, most first."""
+    import torch
+
+    from megatron_jetrl.bench.timing import kernel_table
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out = kernel_table(lambda: (a @ b).relu(), 3, "matmul+relu")
+    names = [n for n, _, _ in out["top"]]
+    assert any("mm" in n for n in names) and any("relu" in n for n in names)
+    times = [ms for _, ms, _ in out["top"]]
+    assert times == sorted(times, reverse=True) and out["ms_per_call"] >= sum(times) - 1e-9 > 0

@@ -13,7 +13,7 @@ if want tests; then
   timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -p no:warnings 2>&1 | tee $OUT/gpu_tests.txt | tail -15
 fi
 if want linear; then
-  timeout 150 python3 -m megatron_jetrl.cli bench linear --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt
+  timeout 150 python3 -m megatron_jetrl.cli bench linear --profile --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt
 fi
 if want decode; then
   timeout 90 python3 -m megatron_jetrl.cli bench linear --decode --json $OUT/bench_decode.json 2>&1 | tee $OUT/bench_decode.txt

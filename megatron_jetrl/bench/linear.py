@@ -7,7 +7,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.timing import dump_json, print_table, time_graph_ms, time_ms
+from megatron_jetrl.bench.timing import dump_json, kernel_table, print_table, time_graph_ms, time_ms
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
@@ -86,11 +86,27 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
     return row
 
 
+def profile_forward(M: int, N: int, K: int, recipe: FP8Recipe) -> None:
+    """Kernel tables of the BF16 forward and of the FP8 autograd forward at one shape."""
+    dev = torch.device("cuda")
+    backend = resolve_backend("auto", dev)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+    qw, sw = quantize_weight(w, recipe)
+    for _ in range(3):  # warm-up (Triton compiles, cuBLAS heuristics)
+        FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend)
+    kernel_table(lambda: F.linear(x, w), 10, f"bf16 forward M={M} N={N} K={K}", top=5)
+    kernel_table(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend), 10,
+                 f"FP8 forward M={M} N={N} K={K}", top=8)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="jetrl bench linear", description=__doc__)
     ap.add_argument("--tokens", type=int, default=16384, help="M for the training shapes")
     ap.add_argument("--decode", action="store_true", help="decode sizes M in 1..1024 instead")
     ap.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], default="fp32")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the kernels of the BF16 and FP8 forward per shape (where FP8's time goes)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,6 +120,9 @@ def main(argv=None) -> list[dict]:
     else:
         for N, K in TRAIN_SHAPES:
             rows.append(bench_shape(args.tokens, N, K, recipe, backward=True))
+    if args.profile:
+        for N, K in (DECODE_SHAPES if args.decode else TRAIN_SHAPES):
+            profile_forward(256 if args.decode else args.tokens, N, K, recipe)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
     cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "triton_small_m_ms", "triton_speedup",
             "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "fp8_fwd_eager_ms", "triton_eager_ms", "act_quant_share_of_gemm",

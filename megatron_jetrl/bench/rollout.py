@@ -36,31 +36,22 @@ def weight_bytes(model) -> int:
     return total
 
 
-def profile_steps(dec, steps: int, top: int = 12) -> dict:
-    """GPU kernel time per decode step by kernel (the same decoder stepped eagerly under the
-    profiler after a prefill; kernel durations are the graph's, the host gaps are not)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(dec, steps: int) -> dict:
+    """Kernel time per decode step by kernel (the same decoder stepped eagerly under the profiler
+    after a prefill; kernel durations are the graph's, the host gaps are not)."""
+    from megatron_jetrl.bench.timing import kernel_table
 
     use, dec.use_graphs = dec.use_graphs, False
     ids = torch.zeros(dec.B, dtype=torch.long, device=dec.device)
     try:
         dec._host_pos = int(dec.pos)
+        steps = min(steps, dec.L - dec._host_pos - 2)  # the KV cache holds L positions
         for _ in range(2):
             dec.step(ids)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                dec.step(ids)
-            torch.cuda.synchronize()
+        out = kernel_table(lambda: dec.step(ids), steps, "decode step")
     finally:
         dec.use_graphs = use
-    rows = sorted(((e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
-                   if e.device_time_total > 0), key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    print(f"decode step kernels: {total:.3f} ms of GPU time per step; top {top}:")
-    for name, ms, n in rows[:top]:
-        print(f"  {ms:8.3f} ms  {100 * ms / total:5.1f}%  x{n:<4d} {name[:110]}")
-    return {"kernel_ms_per_step": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
+    return {"kernel_ms_per_step": out["ms_per_call"], "top": out["top"]}
 
 
 def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0) -> dict:
@@ -106,7 +97,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
             torch.cuda.synchronize()
         prefill = time.perf_counter() - t1 if dec is not None else float("nan")
         wbytes = weight_bytes(model)
-        kernels = profile_steps(dec, profile) if profile and dec is not None and cuda else {}
+        kernels = profile_steps(dec, profile) if profile and dec is not None else {}
     layers = cfg.model.num_layers
     kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * (2 if cfg.precision.params_dtype == "bf16" else 4)
     mean_len = prompt_len + steps / 2
@@ -141,7 +132,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--bandwidth", type=float, default=4.2, help="TB/s for the weight-bandwidth bound")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="also print the GPU kernel time per decode step by kernel, over STEPS steps (CUDA)")
+                    help="also print the kernel time per decode step by kernel, over STEPS steps (CPU ops off CUDA)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_args(argv)

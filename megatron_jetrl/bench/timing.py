@@ -22,6 +22,33 @@ def time_graph_ms(fn, rep: int = 50) -> float:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
+def kernel_table(fn, reps: int, title: str, top: int = 12) -> dict:
+    """Run ``fn()`` ``reps`` times under torch's profiler and print the kernel time per call by
+    kernel, most first (CUDA kernels on a GPU; CPU ops elsewhere, to check the harness). Returns
+    ``{"ms_per_call", "top": [(name, ms per call, launches per call)]}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if cuda:
+        rows = [(e.key, e.device_time_total / reps / 1e3, e.count // reps) for e in events if e.device_time_total > 0]
+    else:  # CPU: self time, so nested ops are not counted twice
+        rows = [(e.key, e.self_cpu_time_total / reps / 1e3, e.count // reps) for e in events if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"{title}: {total:.3f} ms of {'GPU kernel' if cuda else 'CPU'} time per call; top {top}:")
+    for name, ms, n in rows[:top]:
+        print(f"  {ms:8.3f} ms  {100 * ms / max(total, 1e-12):5.1f}%  x{n:<4d} {name[:110]}")
+    return {"ms_per_call": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
+
+
 def print_table(rows: list[dict], cols: list[str]) -> None:
     """The rows as a markdown table (floats to 3 significant digits), columns in ``cols`` order."""
     print("| " + " | ".join(cols) + " |")
