@@ -27,6 +27,9 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +93,22 @@ class StaticDecoder:
         self.prefill_rows = max(1, prefill_score_bytes // max(1, 4 * self.heads * max_len * max_len))
 
     # ---- model pieces -------------------------------------------------------------------------
-    def _mask_bias(self, rows: slice, pos: torch.Tensor, S: int, Lb: int, causal: bool) -> torch.Tensor:
+    def _mask_bias(self, rows: slice, idx: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
         """Additive attention bias [b, 1, S, Lb] (0 = attend, -inf = masked), built once per forward
         and shared by every layer: valid keys only; in prefill also causal, and a pad query sees
         itself (no all-masked row)."""
         allowed = self.key_ok[rows, None, None, :Lb]
         if causal:
-            q_pos = (pos + torch.arange(S, device=pos.device))[:, None]
-            k_pos = torch.arange(Lb, device=pos.device)[None, :]
+            q_pos = idx[:, None]
+            k_pos = torch.arange(Lb, device=idx.device)[None, :]
             allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    def _attention(self, li: int, q, k, v, rows: slice, pos: torch.Tensor, S: int, Lb: int, mask: torch.Tensor):
-        """q [S, b, heads, d], k/v [S, b, groups, d] for positions pos..pos+S-1 -> [S, b, heads*d]."""
-        import torch.nn.functional as F
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-        idx = pos + torch.arange(S, device=pos.device)
-        f = self.freqs.index_select(0, idx)
+    def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, f: torch.Tensor, Lb: int,
+                   mask: torch.Tensor):
+        """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (RoPE table rows ``f``)
+        -> [S, b, heads*d]."""
+        S = idx.shape[0]
         q = apply_rotary_pos_emb(q, f, config=self.cfg)
         k = apply_rotary_pos_emb(k, f, config=self.cfg)
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
@@ -121,18 +122,18 @@ class StaticDecoder:
         return out.permute(2, 0, 1, 3).reshape(S, out.shape[0], self.heads * self.dim)
 
     def _forward(self, ids: torch.Tensor, rows: slice, pos: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
-        """ids [b, S] at positions pos.. -> logits [b, vocab] of the last position."""
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
+        """ids [b, S] at positions pos.. -> logits [b, vocab] of the last position. The positions,
+        their RoPE rows and the attention mask are computed once here and shared by every layer."""
         b, S = ids.shape
-        positions = (pos + torch.arange(S, device=ids.device)).expand(b, S)
-        h = self.gpt.embedding(input_ids=ids, position_ids=positions)  # [S, b, H]
-        mask = self._mask_bias(rows, pos, S, Lb, causal)
+        idx = pos + torch.arange(S, device=ids.device)
+        f = self.freqs.index_select(0, idx)
+        h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
+        mask = self._mask_bias(rows, idx, Lb, causal)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
             x = layer.input_layernorm(h)
             q, k, v = attn.get_query_key_value_tensors(x, None)
-            ctx = self._attention(li, q, k, v, rows, pos, S, Lb, mask)
+            ctx = self._attention(li, q, k, v, rows, idx, f, Lb, mask)
             out, bias = attn.linear_proj(ctx)
             h = h + (out if bias is None else out + bias)
             x = layer.pre_mlp_layernorm(h)

@@ -10,6 +10,8 @@ static-shape decoder (CUDA graphs on GPU; ``decode="static"``) or on megatron-co
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatron_jetrl.rollout.base import Generation, SamplingParams, sample_next
@@ -107,8 +109,6 @@ class LocalEngine:
 
     @torch.no_grad()
     def _generate_static(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        import time
-
         tokens, key_pad = self._left_pad(prompts)
         B, P = tokens.shape
         was_training = self.model.training
