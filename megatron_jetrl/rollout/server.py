@@ -476,10 +476,19 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"jetrl serve: --host {args.host} is reachable from other machines; "
                          "give --admin-api-key to guard the weight and memory endpoints")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max)
-    state.weight_version = str(args.weight_version)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(state, args.admin_api_key,
-                                                                      int(args.max_body_mb * (1 << 20))))
+    # Take the port before loading the model: the load's process group (gloo/NCCL) and a sibling
+    # server's bind ephemeral ports, which could otherwise land on ours while the model loads
+    # (seen in CI: "Address already in use"). Listening starts once the engine is ready.
+    server = ThreadingHTTPServer((args.host, args.port), BaseHTTPRequestHandler, bind_and_activate=False)
+    try:
+        server.server_bind()
+        state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max)
+        state.weight_version = str(args.weight_version)
+        server.RequestHandlerClass = make_handler(state, args.admin_api_key, int(args.max_body_mb * (1 << 20)))
+        server.server_activate()
+    except BaseException:
+        server.server_close()
+        raise
     server.daemon_threads = True
     print(f"jetrl serve: ready on http://{args.host}:{server.server_address[1]} "
           f"({state.model_cfg.model_type}, {'block FP8' if state.recipe.rollout_fp8 else 'BF16'}, "
