@@ -184,10 +184,11 @@ class PrecisionConfig:
     """Weight-gradient GEMM precision in ``jet`` mode."""
     backend: Literal["auto", "scaled_mm", "emulated", "te"] = "auto"
     """FP8 GEMM backend: ``auto`` picks scaled_mm on Hopper+ and emulated elsewhere."""
-    small_m_max: int = 0
-    """Rollout forwards with at most this many tokens use the fused small-M Triton block-FP8 GEMM
-    (activation quantization inside) instead of cuBLAS; 0 = off. Set it from the crossover that
-    ``jetrl bench linear --decode`` prints for your GPU."""
+    small_m_max: int = 64
+    """Rollout forwards with at most this many tokens use the small-M Triton block-FP8 GEMM
+    (``precision/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the crossover
+    measured on the H200 (docs/benchmarks.md); ``jetrl bench linear --decode`` prints it for
+    your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
     fuse_swiglu: bool = True
     """FP8 MLPs: run fc2's SwiGLU inside its activation quantizer (one pass over fc1's output, no
     BF16 activation written; same FP8 bytes as the unfused ops)."""

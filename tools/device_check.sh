@@ -2,6 +2,7 @@
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|step|mismatch|train ...]   (default: all)
+# GPU_K=expr limits the tests part to pytest -k expr.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -10,7 +11,7 @@ PARTS="$*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 if want tests; then
-  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -p no:warnings 2>&1 | tee $OUT/gpu_tests.txt | tail -15
+  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
 fi
 if want linear; then
   timeout 150 python3 -m megatron_jetrl.cli bench linear --profile --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt
@@ -19,7 +20,8 @@ if want decode; then
   timeout 90 python3 -m megatron_jetrl.cli bench linear --decode --json $OUT/bench_decode.json 2>&1 | tee $OUT/bench_decode.txt
 fi
 if want tune; then  # the small-M kernel's plans, incl. the pre-quantized activation
-  timeout 240 python3 tools/tune_small_m.py --m 1,16,64,256 --split 1,2,8 --stages 3 --block-n 64,128 --prequant 0,1 \
+  timeout 270 python3 tools/tune_small_m.py --m 16,64,256 --split 1,2,4,8 --stages 3,4 --block-n 64,128 --prequant 1 \
+    --block-m 0,128 --warps 4,8 \
     --json $OUT/tune_small_m.json 2>&1 | tail -30 | tee $OUT/tune_small_m.txt
 fi
 if want rollout; then

@@ -41,7 +41,7 @@ class FP8ModelState:
         self.version = 0
         # Inference forwards with at most this many tokens use the fused small-M Triton GEMM
         # (precision.small_m_max; 0 = off).
-        self.small_m_max = 0
+        self.small_m_max = 64
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
         # the gated MLP hands fc2 the pre-activation and SwiGLU runs inside the FP8 activation
@@ -158,7 +158,9 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
     if recipe.wgrad == "fp8":
         dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
         xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
-        dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=torch.float32, group=g)
+        # written in the weight's dtype by the GEMM's epilogue (one rounding of the fp32 accumulator,
+        # as BF16 autograd returns it): no fp32 [N, K] round trip
+        dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=ctx.wdtype, group=g)
     else:
         dw = dy2.t().float() @ dequantize_act(xq, xs, g)
     if inv_perm is not None:

@@ -31,9 +31,9 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
                     inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
                     PREQ: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, G)
@@ -81,18 +81,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | None = None,
-         split_k: int | None = None, waves: float = 2.0, block_m: int | None = None) -> tuple[int, int, int, int]:
+         split_k: int | None = None, waves: float | None = None, block_m: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, groups per split) for one call. At decode sizes an N-tile grid
     alone leaves most SMs idle (N=4096 in 128-wide tiles is 32 programs on 132 SMs), so K is split
-    until about ``waves`` programs per SM run; the fp32 partials cost M*N*4 bytes per split, small
-    next to the weight while M is small. The defaults are the best plans ``tools/tune_small_m.py``
-    measured on the H200 (docs/benchmarks.md): 128-wide N tiles, split 8 for N=4096 and 2 for
-    N=14336 at M <= 64."""
+    until about ``waves`` programs per SM run (``waves`` None: 2 up to 16 rows, 1 above); the fp32
+    partials cost M*N*4 bytes per split, small next to the weight while M is small. The defaults are
+    the best plans ``tools/tune_small_m.py`` measured on the H200 (docs/benchmarks.md): 128-wide N
+    tiles; at M=64 split 4 for N=4096 and none for N >= 14336, at M=16 split 8 / 2 / 1 for
+    N = 4096 / 14336 / 28672."""
     block_m = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
     block_n = block_n or 128
     groups = triton.cdiv(K, G)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     if split_k is None:
+        waves = waves or (2.0 if M <= 16 else 1.0)
         split_k = max(1, min(int(waves * _num_sms(device)) // tiles, groups // 4))
         if M > 64:  # partials would be a real share of the traffic
             split_k = min(split_k, 2)
@@ -103,14 +105,15 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
 
 def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, recipe: FP8Recipe,
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
-                   block_n: int | None = None, split_k: int | None = None, num_stages: int = 3,
-                   block_m: int | None = None, prequant: bool = False, num_warps: int = 4):
+                   block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
+                   block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
-    ``num_stages``/``num_warps`` override the launch plan (``tools/tune_small_m.py`` sweeps them). ``prequant``: quantize x once
-    with the Triton activation quantizer and stream FP8 tiles (for M beyond a few rows, where
-    re-quantizing per N tile costs more than one extra kernel; not yet timed on a GPU)."""
+    ``num_stages``/``num_warps`` override the launch plan (``tools/tune_small_m.py`` sweeps them).
+    ``prequant``: quantize x once with the Triton activation quantizer and stream FP8 tiles instead
+    of re-quantizing x per N tile (None: from 9 rows up, where the H200 sweep found it 1.2-1.8x
+    faster at M=64; one kernel launch more)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -119,6 +122,8 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if qweight.shape[1] != K or w_scale.shape != (triton.cdiv(N, G), triton.cdiv(K, G)):
         raise ValueError(f"small_m_linear: weight {tuple(qweight.shape)} / scale {tuple(w_scale.shape)} do not match K={K}")
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if prequant is None:
+        prequant = M > 8
     if prequant:
         from megatron_jetrl.precision.triton_quant import quantize_act_triton
 
@@ -129,7 +134,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if M:
         block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m)
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
         _small_m_kernel[grid](x2, qweight, w_scale, part, q, s, M, N, K, per, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
                               q.stride(0) if return_quantized or prequant else 0,

@@ -14,7 +14,9 @@ its own KV cache with static shapes:
   ``max_len``; pad and not-yet-written keys are masked by a per-row validity mask;
 - attention on ``scaled_dot_product_attention`` with one additive mask per step shared by all
   layers, grouped-query heads reading K/V in place;
-- RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position.
+- RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
+  rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
+  layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes).
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor). Sampling stays
 outside the graph (eager, on the GPU, no host sync). Graphs are captured on first use of a bucket
@@ -30,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,9 @@ class StaticDecoder:
         if use_graphs and moe:
             log.info("rollout decode: MoE routing is data dependent, decoding eagerly (no CUDA graphs)")
         self.use_graphs = bool(use_graphs) and self.device.type == "cuda" and not moe
+        # RoPE + KV-cache write in one kernel per layer (CUDA; megatron's interleaved RoPE variant
+        # keeps megatron's own function)
+        self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -104,16 +111,22 @@ class StaticDecoder:
             allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, f: torch.Tensor, Lb: int,
+    def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, rope: tuple, Lb: int,
                    mask: torch.Tensor):
-        """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (RoPE table rows ``f``)
-        -> [S, b, heads*d]."""
+        """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (``rope``: the RoPE
+        table rows and their cos/sin) -> [S, b, heads*d]."""
         S = idx.shape[0]
-        q = apply_rotary_pos_emb(q, f, config=self.cfg)
-        k = apply_rotary_pos_emb(k, f, config=self.cfg)
+        f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
-        kc.index_copy_(2, idx, k.permute(1, 2, 0, 3).to(kc.dtype))
-        vc.index_copy_(2, idx, v.permute(1, 2, 0, 3).to(vc.dtype))
+        if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache: one kernel
+            rope_and_cache(q, k, v, cos, sin, kc, vc, idx)
+        else:
+            if self.cfg.rotary_interleaved:
+                q, k = apply_rotary_pos_emb(q, f, config=self.cfg), apply_rotary_pos_emb(k, f, config=self.cfg)
+            else:
+                q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+            kc.index_copy_(2, idx, k.permute(1, 2, 0, 3).to(kc.dtype))
+            vc.index_copy_(2, idx, v.permute(1, 2, 0, 3).to(vc.dtype))
         # SDPA's grouped-query path maps query head h to key/value group h // (heads/groups), the
         # grouping of Megatron's fused QKV; K/V are read in place (measured on the H200 at batch 64,
         # 768 keys: 52 us per layer vs 91 us for matmul + fp32 softmax, 1060 us with K/V expanded)
@@ -127,13 +140,14 @@ class StaticDecoder:
         b, S = ids.shape
         idx = pos + torch.arange(S, device=ids.device)
         f = self.freqs.index_select(0, idx)
+        rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
         mask = self._mask_bias(rows, idx, Lb, causal)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
             x = layer.input_layernorm(h)
             q, k, v = attn.get_query_key_value_tensors(x, None)
-            ctx = self._attention(li, q, k, v, rows, idx, f, Lb, mask)
+            ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
             out, bias = attn.linear_proj(ctx)
             h = h + (out if bias is None else out + bias)
             x = layer.pre_mlp_layernorm(h)

@@ -97,7 +97,7 @@ class ServeEngine:
     """The model, the engine over it, and the weight-update state machine."""
 
     def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto",
-                 small_m_max: int = 0):
+                 small_m_max: int = 64):
         from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
         from megatron_jetrl.distributed import init_distributed
         from megatron_jetrl.models.builder import DTYPES, build_model
@@ -510,8 +510,8 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="required when --host is not loopback; guards weight/memory endpoints (env JETRL_ADMIN_API_KEY)")
     ap.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--backend", default="auto", choices=["auto", "scaled_mm", "emulated"])
-    ap.add_argument("--small-m-max", type=int, default=0,
-                    help="decode forwards with <= this many tokens use the fused small-M FP8 GEMM (0 = off)")
+    ap.add_argument("--small-m-max", type=int, default=64,
+                    help="decode forwards with <= this many tokens use the small-M Triton FP8 GEMM (0 = off; precision.small_m_max)")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

@@ -84,7 +84,8 @@ def router_argv(cfg, worker_urls: list[str], port: int) -> list[str]:
 def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
     """``jetrl serve`` arguments for worker ``index`` of this run."""
     argv = ["--model-path", model_dir, "--port", str(port), "--params-dtype", cfg.precision.params_dtype,
-            "--seed", str(cfg.seed + index), "--weight-version", "0"]
+            "--seed", str(cfg.seed + index), "--weight-version", "0",
+            "--small-m-max", str(cfg.precision.small_m_max)]
     if cfg.rollout.admin_api_key:
         argv += ["--admin-api-key", cfg.rollout.admin_api_key]
     return argv
