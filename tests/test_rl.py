@@ -243,3 +243,24 @@ def test_static_decoder_reused_across_batch_sizes(tmp_path, megatron_single):
         assert len(got) == n
     assert decoders[0] is decoders[1] is decoders[2] and decoders[0].B == 8
     assert decoders[3] is not decoders[0] and decoders[3].B == 24
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_static_decoder_qkv_in_rollout_layout_equals_megatron_split(model_type, tmp_path, megatron_single):
+    """jet: the decoder splits the FP8 fused QKV output in the cache's rollout order ([q | k | v]) and
+    skips the permutation back; q, k, v equal megatron's ``get_query_key_value_tensors`` exactly
+    (qwen3: q/k layernorms on the views; qwen2: the QKV bias permuted with the rows)."""
+    from megatron_jetrl.rollout.decode import StaticDecoder
+
+    make_hf_model(model_type, str(tmp_path), seed=2)
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"])
+    dec = StaticDecoder(model, 2, 16, use_graphs=False)
+    attn = dec.layers[0].self_attention
+    assert attn.linear_qkv.fp8_cache.perm is not None
+    assert (attn.linear_qkv.bias is not None) == (model_type == "qwen2")
+    x = torch.randn(3, 2, dec.cfg.hidden_size)
+    with torch.no_grad(), state.rollout_precision():
+        ours = dec._qkv(attn, x)
+        ref = attn.get_query_key_value_tensors(x, None)
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and torch.equal(a, b)

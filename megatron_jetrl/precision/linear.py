@@ -210,6 +210,10 @@ class FP8LinearMixin:
     swiglu_input = False
     """Set by the gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output
     ``[gate | up]`` and the SwiGLU runs fused into the activation quantizer."""
+    rollout_layout_output = False
+    """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
+    the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
+    ``qkv_proj`` computes) instead of being permuted back to Megatron's interleaved order."""
 
     def fp8_active(self) -> bool:
         return self.fp8_state is not None and self.fp8_state.forward_fp8
@@ -226,6 +230,12 @@ class FP8LinearMixin:
         qweight, scale_inv = self.fp8_weight()
         cache = self.fp8_cache
         M = input.numel() // input.shape[-1]
+        inv_perm, perm = cache.inv_perm, cache.perm
+        if self.rollout_layout_output and inv_perm is not None:
+            if torch.is_grad_enabled():
+                raise RuntimeError("rollout_layout_output is for inference forwards (no autograd)")
+            inv_perm, perm = None, None
+            bias = None if bias is None else bias.index_select(0, cache.perm.to(bias.device))
         if (not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
                 and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
             from megatron_jetrl.precision.quant import swiglu
@@ -234,12 +244,11 @@ class FP8LinearMixin:
             if self.swiglu_input:  # a few rows: the activation in torch, its quantization in the GEMM
                 input = swiglu(input)
             out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe)
-            if cache.inv_perm is not None:
-                out = out.index_select(-1, cache.inv_perm.to(out.device))
+            if inv_perm is not None:
+                out = out.index_select(-1, inv_perm.to(out.device))
             return out if bias is None else out + bias
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
-        out = fn.apply(input, weight, qweight, scale_inv, cache.inv_perm, cache.perm, self.fp8_state.recipe,
-                       self.fp8_backend)
+        out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend)
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):

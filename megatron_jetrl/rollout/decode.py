@@ -111,6 +111,31 @@ class StaticDecoder:
             allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
+    def _qkv(self, attn, x):
+        """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
+        for an FP8 fused QKV, whose cached weight rows are in the rollout's ``[q | k | v]`` order: its
+        GEMM output is split in that order directly (same values, without permuting the output back to
+        megatron's interleaved order and copying q out of it)."""
+        lin = attn.linear_qkv
+        cache = getattr(lin, "fp8_cache", None)
+        if (cache is None or cache.perm is None or not lin.fp8_active()
+                or attn.config.num_query_groups < attn.world_size):
+            return attn.get_query_key_value_tensors(x, None)
+        lin.rollout_layout_output = True
+        try:
+            out, _ = lin(x)
+        finally:
+            lin.rollout_layout_output = False
+        (S, b), hd, gd = out.shape[:2], self.heads * self.dim, self.groups * self.dim
+        q = out[..., :hd].view(S, b, self.heads, self.dim)
+        k = out[..., hd:hd + gd].view(S, b, self.groups, self.dim)
+        v = out[..., hd + gd:].view(S, b, self.groups, self.dim)
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        return q, k, v
+
     def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, rope: tuple, Lb: int,
                    mask: torch.Tensor):
         """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (``rope``: the RoPE
@@ -146,7 +171,7 @@ class StaticDecoder:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
             x = layer.input_layernorm(h)
-            q, k, v = attn.get_query_key_value_tensors(x, None)
+            q, k, v = self._qkv(attn, x)
             ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
             out, bias = attn.linear_proj(ctx)
             h = h + (out if bias is None else out + bias)
