@@ -26,7 +26,7 @@ if want tune; then  # the small-M kernel's plans, incl. the pre-quantized activa
 fi
 if want rollout; then
   timeout 300 python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch 64,256 --new-tokens 1024 \
-    --prompt-len 128 --json $OUT/bench_rollout.json 2>&1 | grep -v -i warn | tee $OUT/bench_rollout.txt
+    --prompt-len 128 --profile 5 --json $OUT/bench_rollout.json 2>&1 | grep -v -i warn | tee $OUT/bench_rollout.txt
 fi
 if want step; then
   timeout 240 python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps 2 --warmup 1 \
