@@ -225,6 +225,16 @@ for fmt in ("fp32", "ue8m0"):
         ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
         err = float((y - ref).abs().max() / ref.abs().max())
         assert err < 1e-5, (fmt, M, N, K, err)
+    # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer
+    from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+    for M, N, K in ((16, 256, 384), (40, 130, 300)):
+        gu = torch.randn(M, 2 * K, generator=g) * 2
+        qw, ws = quantize_weight(torch.randn(N, K, generator=g), r)
+        y, q, s = small_m_linear(gu, qw, ws, r, torch.float32, return_quantized=True, swiglu=True)
+        qr, sr = swiglu_quant_triton(gu, r)
+        assert y.shape == (M, N) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (fmt, M, N, K)
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
@@ -447,6 +457,41 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
     rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
     assert torch.equal(q_in, q_ref), (S, (q_in - q_ref).abs().max())
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (S, b, H, G, D, rot)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_triton_rmsnorm_under_the_interpreter():
+    """The one-kernel RMSNorm (CUDA in production, ``models/norm.py``) under Triton's CPU
+    interpreter, fp32: forward equals torch's ``rms_norm`` to fp32 rounding, each row's bytes do not
+    depend on how many rows the call has (the trainer's forward and a decode step give the same
+    bytes), and the autograd backward matches torch's to fp32 rounding."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.models.norm import RMSNormFunction, rmsnorm_forward
+g = torch.Generator().manual_seed(0)
+for M, N in ((37, 96), (5, 4096), (3, 300)):
+    x = torch.randn(M, N, generator=g) * 3
+    w = torch.randn(N, generator=g)
+    y, rstd = rmsnorm_forward(x, w, 1e-6)
+    ref = torch.rms_norm(x, (N,), w, 1e-6)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5), (M, N, (y - ref).abs().max())
+    assert torch.allclose(rstd, torch.rsqrt(x.pow(2).mean(-1) + 1e-6), rtol=1e-6)
+    for r in (0, M - 1):  # batch invariance: the row alone gives the same bytes
+        assert torch.equal(rmsnorm_forward(x[r:r + 1].clone(), w, 1e-6)[0][0], y[r])
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn(M, N, generator=g)
+    RMSNormFunction.apply(xa, wa, 1e-6).backward(dy)
+    torch.rms_norm(xb, (N,), wb, 1e-6).backward(dy)
+    assert torch.allclose(xa.grad, xb.grad, rtol=1e-4, atol=1e-5), (xa.grad - xb.grad).abs().max()
+    assert torch.allclose(wa.grad, wb.grad, rtol=1e-4, atol=1e-4), (wa.grad - wb.grad).abs().max()
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)

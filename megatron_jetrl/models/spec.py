@@ -93,7 +93,13 @@ class JetMLP(MLP):
 
 
 class JetSpecProvider(LocalSpecProvider):
-    """megatron-core's local modules with our FP8 linears and SDPA core attention."""
+    """megatron-core's local modules with our FP8 linears, SDPA core attention and the one-kernel
+    RMSNorm of ``models/norm.py`` (a ``torch.nn.RMSNorm``: same parameters and state dict)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        from megatron_jetrl.models.norm import JetNorm
+
+        return JetNorm
 
     def column_parallel_linear(self):
         return FP8ColumnParallelLinear

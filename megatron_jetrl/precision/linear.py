@@ -241,9 +241,10 @@ class FP8LinearMixin:
             from megatron_jetrl.precision.quant import swiglu
             from megatron_jetrl.precision.triton_gemm import small_m_linear
 
-            if self.swiglu_input:  # a few rows: the activation in torch, its quantization in the GEMM
+            fused = self.swiglu_input and M > 8  # SwiGLU in the activation quantizer (one kernel)
+            if self.swiglu_input and not fused:  # a few rows: the activation in torch, its quantization in the GEMM
                 input = swiglu(input)
-            out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe)
+            out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe, swiglu=fused)
             if inv_perm is not None:
                 out = out.index_select(-1, inv_perm.to(out.device))
             return out if bias is None else out + bias

@@ -106,16 +106,19 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
 def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, recipe: FP8Recipe,
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
-                   block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4):
+                   block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
+                   swiglu: bool = False):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
     ``num_stages``/``num_warps`` override the launch plan (``tools/tune_small_m.py`` sweeps them).
     ``prequant``: quantize x once with the Triton activation quantizer and stream FP8 tiles instead
     of re-quantizing x per N tile (None: from 9 rows up, where the H200 sweep found it 1.2-1.8x
-    faster at M=64; one kernel launch more)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    faster at M=64; one kernel launch more). ``swiglu``: x is the MLP's ``[gate | up]`` [..., 2K] and
+    the activation is SwiGLU(x), quantized by the fused SwiGLU quantizer (same bytes as SwiGLU then
+    the quantizer; always pre-quantized)."""
+    lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, N, G = x2.shape[0], qweight.shape[0], recipe.group_size
@@ -124,7 +127,12 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if prequant is None:
         prequant = M > 8
-    if prequant:
+    if swiglu:
+        from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+
+        prequant = True
+        q, s = swiglu_quant_triton(x2, recipe)
+    elif prequant:
         from megatron_jetrl.precision.triton_quant import quantize_act_triton
 
         q, s = quantize_act_triton(x2, recipe)
