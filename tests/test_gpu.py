@@ -288,3 +288,31 @@ def test_small_m_gemm_with_fused_swiglu_equals_swiglu_then_gemm(M):
     fused = small_m_linear(gu, qw, sw, recipe, swiglu=True)
     ref = small_m_linear(swiglu(gu), qw, sw, recipe, prequant=True)
     assert _same(fused, ref)
+
+
+@pytest.mark.parametrize("mode,small_m", [("bf16", 0), ("jet", 0), ("jet", 256)])
+def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, tmp_path, megatron_single):
+    """The static decoder's fused residual add + RMSNorm (+ the FP8 linear's activation quantization,
+    jet with the small-M GEMM) gives the logits of the same decoder running torch's add, the norm
+    module and the linear's own quantizer: identical bytes, prefill and 20 decode steps."""
+    from megatron_jetrl.rollout.decode import StaticDecoder
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("qwen3", str(tmp_path))
+    _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"], backend="auto")
+    model = model.bfloat16().eval()
+    state.bump()
+    state.small_m_max = small_m
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 384, (16, 12), generator=g).cuda()
+    key_pad = torch.zeros(16, 12, dtype=torch.bool, device="cuda")
+    key_pad[:4, :3] = True
+    ids = torch.randint(3, 384, (20, 16), generator=g).cuda()
+    outs = {}
+    with torch.no_grad(), state.rollout_precision():
+        for fuse in (True, False):
+            dec = StaticDecoder(model, 16, 40, 384, bucket=16, use_graphs=False)
+            dec.fuse_add_norm = fuse
+            outs[fuse] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -497,3 +497,39 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_fused_add_rmsnorm_quant_under_the_interpreter():
+    """The decoder's fused residual add + RMSNorm + 1x128 quantizer (CUDA in production) under
+    Triton's CPU interpreter, fp32: the sum is torch's ``h + d``, the norm output is the RMSNorm
+    kernel's (same bytes as without the add and the quantizer), the FP8 bytes and scales are the
+    activation quantizer's on that output (kernel-to-kernel: the interpreter's own E4M3 cast is
+    used by both), fp32 and ue8m0 scales."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.models.norm import add_rmsnorm_quant, rmsnorm_forward
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.triton_quant import quantize_act_triton
+g = torch.Generator().manual_seed(0)
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, N in ((5, 384), (1, 256)):
+        h = torch.randn(M, N, generator=g) * 2
+        d = torch.randn(M, N, generator=g)
+        w = torch.randn(N, generator=g)
+        h2, y, (q, s) = add_rmsnorm_quant(h, d, w, 1e-5, r)
+        assert torch.equal(h2, h + d)
+        y_ref, _ = rmsnorm_forward(h + d, w, 1e-5)
+        assert torch.equal(y, y_ref)
+        qr, sr = quantize_act_triton(y_ref, r)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N)
+        h3, y3, none = add_rmsnorm_quant(h, None, w, 1e-5)
+        assert none is None and h3.data_ptr() == h.data_ptr() and torch.equal(y3, rmsnorm_forward(h, w, 1e-5)[0])
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

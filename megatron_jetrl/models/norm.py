@@ -22,35 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
+
 
 def triton_rmsnorm_enabled() -> bool:
     return os.environ.get("JETRL_TRITON_RMSNORM", "1") != "0"
 
 
-@triton.jit
-def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps,
-                        BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=0) / N
-    rstd = tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = ((x * rstd) * w).to(y_ptr.dtype.element_ty)  # torch's fused CUDA rms_norm: fp32, one rounding
-    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
-    tl.store(rstd_ptr + row, rstd)
-
-
 def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x2 [M, N]`` (unit stride along N) -> (y [M, N] in x's dtype, rstd [M] fp32)."""
-    M, N = x2.shape
-    y = torch.empty_like(x2)
-    rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
-    if M:
-        block = triton.next_power_of_2(N)
-        _rmsnorm_fwd_kernel[(M,)](x2, weight, y, rstd, N, x2.stride(0), y.stride(0), eps, BLOCK=block,
-                                  num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+    _, y, _, rstd = _launch(x2, None, weight, eps, None)
     return y, rstd
 
 
@@ -102,3 +83,74 @@ class JetNorm:
             if getattr(config, flag, False):
                 raise ValueError(f"model: {flag} is not supported by the RMSNorm of models/norm.py; turn it off")
         return JetRMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+@triton.jit
+def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr, N, stride_h, stride_d,
+                    stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps,
+                    HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
+                    G: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: optional residual add, RMSNorm (fp32, one rounding), optional 1x128 quantization."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    if HAS_DELTA:  # the residual add, rounded as torch's ``h + out`` is
+        d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(hout_ptr.dtype.element_ty)
+        tl.store(hout_ptr + row * stride_ho + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    ms = tl.sum(x * x, axis=0) / N
+    rstd = tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = ((x * rstd) * w).to(y_ptr.dtype.element_ty)  # torch's fused CUDA rms_norm: fp32, one rounding
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+    if QUANT:  # the 1x128 activation quantizer's rule on the stored bf16 values (triton_quant.py)
+        yg = tl.reshape(y.to(tl.float32), (BLOCK // G, G))
+        gm = tl.reshape(mask, (BLOCK // G, G))
+        amax = tl.maximum(tl.max(tl.abs(yg), axis=1), amax_eps)
+        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+        q = tl.clamp(yg * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+        tl.store(q_ptr + row * stride_q + tl.reshape(cols, (BLOCK // G, G)), q, mask=gm)
+        groups = tl.arange(0, BLOCK // G)
+        tl.store(s_ptr + row * stride_s + groups, scale_inv, mask=groups * G < N)
+
+
+def _launch(h2, d2, weight, eps, recipe):
+    M, N = h2.shape
+    hout = torch.empty_like(h2) if d2 is not None else h2
+    y = torch.empty_like(h2)
+    rstd = torch.empty(M, dtype=torch.float32, device=h2.device)
+    G = recipe.group_size if recipe is not None else 128
+    if recipe is not None and N % G:
+        raise ValueError(f"add_rmsnorm_quant: hidden size {N} is not a multiple of the group {G}")
+    q = torch.empty((M, N), dtype=recipe.dtype, device=h2.device) if recipe is not None else y
+    s = torch.empty((M, N // G), dtype=torch.float32, device=h2.device) if recipe is not None else y
+    if M:
+        block = max(triton.next_power_of_2(N), G)
+        fmax = recipe.fp8_max if recipe is not None else 448.0
+        _rmsnorm_kernel[(M,)](
+            h2, d2 if d2 is not None else h2, weight, hout, y, q, s, rstd, N, h2.stride(0),
+            d2.stride(0) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
+            1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12, HAS_DELTA=d2 is not None,
+            QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)  # no FMA: torch's roundings
+    return hout, y, ((q, s) if recipe is not None else None), rstd
+
+
+def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, recipe=None):
+    """Inference (no autograd), CUDA: ``h2 = h + delta`` (when ``delta`` is given) and
+    ``y = JetRMSNorm(h2)``, and with a ``recipe`` also ``quantize_act(y)`` (1x128 groups, row-major
+    scales), in one kernel. Returns ``(h2, y, (q, scale_inv) or None)``: the same bytes as the
+    separate add, norm kernel and activation quantizer (tests). Needs the hidden size a multiple
+    of the recipe's group when quantizing."""
+    shape, N = h.shape, h.shape[-1]
+    h2 = h.reshape(-1, N)
+    d2 = None if delta is None else delta.reshape(-1, N)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    if d2 is not None and d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    hout, y, xq, _ = _launch(h2, d2, weight, eps, recipe)
+    return hout.view(shape), y.view(shape), xq

@@ -210,6 +210,10 @@ class FP8LinearMixin:
     swiglu_input = False
     """Set by the gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output
     ``[gate | up]`` and the SwiGLU runs fused into the activation quantizer."""
+    prequantized_input = None
+    """Set by the static decoder around an inference call whose input's FP8 bytes and scales were
+    computed by the op that produced it (fused add + RMSNorm + quantizer): ``(q, scale_inv)``, used by
+    the small-M GEMM instead of quantizing the input again (same bytes)."""
     rollout_layout_output = False
     """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
     the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
@@ -244,7 +248,10 @@ class FP8LinearMixin:
             fused = self.swiglu_input and M > 8  # SwiGLU in the activation quantizer (one kernel)
             if self.swiglu_input and not fused:  # a few rows: the activation in torch, its quantization in the GEMM
                 input = swiglu(input)
-            out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe, swiglu=fused)
+            pre = self.prequantized_input
+            if pre is not None and (fused or pre[0].shape[0] != M):
+                pre = None
+            out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe, swiglu=fused, xq=pre)
             if inv_perm is not None:
                 out = out.index_select(-1, inv_perm.to(out.device))
             return out if bias is None else out + bias

@@ -107,7 +107,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
                    block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
-                   swiglu: bool = False):
+                   swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -116,7 +116,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     of re-quantizing x per N tile (None: from 9 rows up, where the H200 sweep found it 1.2-1.8x
     faster at M=64; one kernel launch more). ``swiglu``: x is the MLP's ``[gate | up]`` [..., 2K] and
     the activation is SwiGLU(x), quantized by the fused SwiGLU quantizer (same bytes as SwiGLU then
-    the quantizer; always pre-quantized)."""
+    the quantizer; always pre-quantized). ``xq``: x's activation bytes and row-major scales
+    (``quantize_act``'s) computed by the op that produced x (the decoder's fused add + RMSNorm +
+    quantizer, ``models/norm.py``); used as given."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -127,7 +129,13 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if prequant is None:
         prequant = M > 8
-    if swiglu:
+    if xq is not None:
+        q, s = xq
+        prequant = True
+        if q.shape != (M, K) or s.shape != (M, triton.cdiv(K, G)) or q.stride(-1) != 1:
+            raise ValueError(f"small_m_linear: pre-quantized input {tuple(q.shape)} / {tuple(s.shape)} "
+                             f"does not match x [{M}, {K}]")
+    elif swiglu:
         from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
 
         prequant = True

@@ -16,7 +16,9 @@ its own KV cache with static shapes:
   layers, grouped-query heads reading K/V in place;
 - RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
   rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
-  layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes).
+  layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
+- on CUDA the residual add, the RMSNorm and the following FP8 linear's activation quantization are one
+  kernel (``models/norm.py``), and the FP8 fused QKV output is split in the rollout's [q | k | v] order.
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor). Sampling stays
 outside the graph (eager, on the GPU, no host sync). Graphs are captured on first use of a bucket
@@ -82,6 +84,11 @@ class StaticDecoder:
         # RoPE + KV-cache write in one kernel per layer (CUDA; megatron's interleaved RoPE variant
         # keeps megatron's own function)
         self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
+        # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
+        # (CUDA, the one-kernel RMSNorm of models/norm.py)
+        from megatron_jetrl.models.norm import triton_rmsnorm_enabled
+
+        self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -111,21 +118,45 @@ class StaticDecoder:
             allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    def _qkv(self, attn, x):
+    def _add_norm(self, h, delta, norm, consumer):
+        """``h + delta`` (when given) and ``norm`` of it -> (h, x, xq). On CUDA with the one-kernel RMSNorm
+        (``models/norm.py``) the add, the norm and, when ``consumer`` is an FP8 linear about to run the
+        small-M GEMM on x, x's 1x128 quantization are one kernel (``xq``: the bytes and scales the linear's
+        own quantizer would compute); otherwise torch's add and the norm module."""
+        from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant
+
+        if not (self.fuse_add_norm and isinstance(norm, JetRMSNorm) and norm.weight is not None):
+            if delta is not None:
+                h = h + delta
+            return h, norm(h), None
+        recipe = None
+        state = getattr(consumer, "fp8_state", None)
+        if state is not None and consumer.fp8_active() and consumer.fp8_backend == "scaled_mm":
+            M = h.numel() // h.shape[-1]
+            if M <= state.small_m_max and h.shape[-1] % state.recipe.group_size == 0:
+                recipe = state.recipe
+        eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps
+        return add_rmsnorm_quant(h, delta, norm.weight, eps, recipe)
+
+    def _qkv(self, attn, x, xq=None):
         """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
         for an FP8 fused QKV, whose cached weight rows are in the rollout's ``[q | k | v]`` order: its
         GEMM output is split in that order directly (same values, without permuting the output back to
         megatron's interleaved order and copying q out of it)."""
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
-        if (cache is None or cache.perm is None or not lin.fp8_active()
-                or attn.config.num_query_groups < attn.world_size):
-            return attn.get_query_key_value_tensors(x, None)
-        lin.rollout_layout_output = True
+        if xq is not None:  # x's FP8 bytes from the fused norm (models/norm.py)
+            lin.prequantized_input = xq
         try:
+            if (cache is None or cache.perm is None or not lin.fp8_active()
+                    or attn.config.num_query_groups < attn.world_size):
+                return attn.get_query_key_value_tensors(x, None)
+            lin.rollout_layout_output = True
             out, _ = lin(x)
         finally:
             lin.rollout_layout_output = False
+            if xq is not None:
+                lin.prequantized_input = None
         (S, b), hd, gd = out.shape[:2], self.heads * self.dim, self.groups * self.dim
         q = out[..., :hd].view(S, b, self.heads, self.dim)
         k = out[..., hd:hd + gd].view(S, b, self.groups, self.dim)
@@ -168,16 +199,25 @@ class StaticDecoder:
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
         mask = self._mask_bias(rows, idx, Lb, causal)
+        delta = None  # the last block's output, added to the residual stream by the next norm
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(attn, x)
+            h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv)
+            q, k, v = self._qkv(attn, x, xq)
             ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
             out, bias = attn.linear_proj(ctx)
-            h = h + (out if bias is None else out + bias)
-            x = layer.pre_mlp_layernorm(h)
-            out, bias = layer.mlp(x)
-            h = h + (out if bias is None else out + bias)
+            delta = out if bias is None else out + bias
+            fc1 = getattr(layer.mlp, "linear_fc1", None)
+            h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1)
+            if xq is not None:
+                fc1.prequantized_input = xq
+            try:
+                out, bias = layer.mlp(x)
+            finally:
+                if fc1 is not None:
+                    fc1.prequantized_input = None
+            delta = out if bias is None else out + bias
+        h = h + delta
         h = self.gpt.decoder.final_layernorm(h[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
         logits, _ = self.gpt.output_layer(h, weight=weight)
