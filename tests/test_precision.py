@@ -225,6 +225,12 @@ for fmt in ("fp32", "ue8m0"):
         ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
         err = float((y - ref).abs().max() / ref.abs().max())
         assert err < 1e-5, (fmt, M, N, K, err)
+        # split-K summed by the tile's last program == by the second kernel (same order, same bytes)
+        y2 = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
+                            fused_sum=False)
+        assert torch.equal(y, y2), (fmt, M, N, K)
+    from megatron_jetrl.precision.triton_gemm import _LOCKS
+    assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())  # counters left at zero
     # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer
     from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
     for M, N, K in ((16, 256, 384), (40, 130, 300)):

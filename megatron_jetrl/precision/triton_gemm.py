@@ -6,13 +6,15 @@ quantizes its rows of x exactly as ``quant.quantize_act`` does (same amax, epsil
 saturating E4M3 cast as the Triton quantizer, so the same bytes and scales), multiplies with the
 FP8 weight tile on the tensor cores, and accumulates ``dot * x_scale[row] * w_scale[block]`` in
 fp32 (the per-128 promotion out of the tensor core's reduced-precision FP8 accumulator). At decode
-sizes the weight read dominates; x (a few rows) is re-quantized per N tile, which costs compute on
-a tiny tile instead of a kernel launch and a round trip through memory. K is split across programs
-when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fixed order by a
-second kernel (deterministic: same tokens on every run, unlike atomic adds).
+sizes the weight read dominates. x is quantized once beforehand from 9 rows up (``prequant``, or
+given by the op that produced it: ``xq``); below that, each program re-quantizes its few rows per N
+tile, which costs compute on a tiny tile instead of a kernel launch. K is split across programs
+when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fixed split order
+(deterministic: same tokens on every run, unlike atomic adds) by the last program of each tile to
+finish (a per-tile counter), or by a second kernel.
 
 Used by the FP8 linear for inference forwards (rollout) with M <= ``precision.small_m_max``
-(0 = off until measured on the target GPU: ``jetrl bench linear --decode`` prints the crossover);
+(64 by default, the crossover measured on the H200: ``jetrl bench linear --decode`` prints it);
 cuBLAS ``scaled_mm`` above it. Runs under ``TRITON_INTERPRET=1`` on CPU (the tests do).
 """
 from __future__ import annotations
@@ -28,9 +30,9 @@ from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
 @triton.jit
 def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_per_split,
                     stride_xm, stride_wn, stride_wsn, stride_ys, stride_ym, stride_qm, stride_sm,
-                    inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    PREQ: tl.constexpr):
+                    inv_max, fmax, eps, out_ptr, lock_ptr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,6 +65,17 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
     ym = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=ym)
+    if FUSED_SUM:  # split-K: the last of the tile's programs to finish sums the partials (fixed order)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            offs = rows[:, None] * stride_ym + cols[None, :]
+            total = tl.load(y_ptr + offs, mask=ym, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLIT):
+                total += tl.load(y_ptr + sp * stride_ys + offs, mask=ym, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ym)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
@@ -74,6 +87,21 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device: torch.device, n: int):
+    """Zeroed int32 tile counters for the fused split-K sum (each kernel leaves them at zero), one
+    buffer per device, grown outside CUDA-graph capture only (None while capturing a graph that
+    would need a larger one: the call then sums in a second kernel)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _LOCKS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def _num_sms(device: torch.device) -> int:
@@ -107,7 +135,8 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
                    block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
-                   swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   fused_sum: bool = True):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -118,7 +147,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     the activation is SwiGLU(x), quantized by the fused SwiGLU quantizer (same bytes as SwiGLU then
     the quantizer; always pre-quantized). ``xq``: x's activation bytes and row-major scales
     (``quantize_act``'s) computed by the op that produced x (the decoder's fused add + RMSNorm +
-    quantizer, ``models/norm.py``); used as given."""
+    quantizer, ``models/norm.py``); used as given. ``fused_sum``: with split-K, the last program of
+    each output tile sums the fp32 partials in split order (a per-tile counter), instead of a second
+    kernel; the same order, so the same bytes either way."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -151,14 +182,16 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
         block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m)
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
+        locks = _locks(x.device, grid[0] * grid[1]) if split > 1 and fused_sum else None
         _small_m_kernel[grid](x2, qweight, w_scale, part, q, s, M, N, K, per, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
                               q.stride(0) if return_quantized or prequant else 0,
                               s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
-                              recipe.amax_eps, G=G, BLOCK_M=block_m, BLOCK_N=block_n,
-                              UE8M0=recipe.scale_fmt == "ue8m0", STORE_Q=return_quantized and not prequant,
-                              NUM_STAGES=num_stages, PREQ=prequant, num_warps=num_warps)
-        if split > 1:
+                              recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
+                              BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
+                              STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
+                              SPLIT=split, FUSED_SUM=locks is not None, num_warps=num_warps)
+        if split > 1 and locks is None:
             block = 1024
             _split_sum_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLIT=split, BLOCK=block)
     y = y.view(*lead, N)
