@@ -313,7 +313,7 @@ def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, tmp_path, me
     with torch.no_grad(), state.rollout_precision():
         for fuse in (True, False):
             dec = StaticDecoder(model, 16, 40, 384, bucket=16, use_graphs=False)
-            dec.fuse_add_norm = fuse
+            dec.fuse_add_norm = dec.fuse_norm_quant = fuse
             outs[fuse] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
 
@@ -330,16 +330,16 @@ def test_small_m_fused_split_sum_equals_two_kernels(M, N, K):
     qw, sw = quantize_weight(_x((N, K), seed=1), recipe)
     assert plan(M, N, K, 128, x.device)[2] > 1  # the default plan splits K here
     ref = small_m_linear(x, qw, sw, recipe, fused_sum=False)
-    outs = [small_m_linear(x, qw, sw, recipe) for _ in range(50)]
+    outs = [small_m_linear(x, qw, sw, recipe, fused_sum=True) for _ in range(50)]
     assert all(_same(o, ref) for o in outs)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        small_m_linear(x, qw, sw, recipe)
+        small_m_linear(x, qw, sw, recipe, fused_sum=True)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        y = small_m_linear(x, qw, sw, recipe)
+        y = small_m_linear(x, qw, sw, recipe, fused_sum=True)
     for _ in range(50):
         g.replay()
         assert _same(y, ref)

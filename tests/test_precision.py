@@ -219,7 +219,7 @@ for fmt in ("fp32", "ue8m0"):
         w = torch.randn(N, K, generator=g)
         qw, ws = quantize_weight(w, r)
         y, q, s = small_m_linear(x, qw, ws, r, torch.float32, return_quantized=True, block_n=bn, split_k=split,
-                                 prequant=pre, block_m=bm)
+                                 prequant=pre, block_m=bm, fused_sum=True)
         qr, sr = quantize_act_triton(x, r)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N, K)
         ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)

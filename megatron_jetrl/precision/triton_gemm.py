@@ -11,7 +11,7 @@ given by the op that produced it: ``xq``); below that, each program re-quantizes
 tile, which costs compute on a tiny tile instead of a kernel launch. K is split across programs
 when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fixed split order
 (deterministic: same tokens on every run, unlike atomic adds) by the last program of each tile to
-finish (a per-tile counter), or by a second kernel.
+finish (a per-tile counter, ``fused_sum``), or by a second kernel (the default: faster on the H200).
 
 Used by the FP8 linear for inference forwards (rollout) with M <= ``precision.small_m_max``
 (64 by default, the crossover measured on the H200: ``jetrl bench linear --decode`` prints it);
@@ -136,7 +136,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
                    block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
                    swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   fused_sum: bool = True):
+                   fused_sum: bool = False):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -149,7 +149,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     (``quantize_act``'s) computed by the op that produced x (the decoder's fused add + RMSNorm +
     quantizer, ``models/norm.py``); used as given. ``fused_sum``: with split-K, the last program of
     each output tile sums the fp32 partials in split order (a per-tile counter), instead of a second
-    kernel; the same order, so the same bytes either way."""
+    kernel; the same order, so the same bytes either way. Off by default: on the H200 it saved the
+    second kernel's launches but the GEMM's own time grew more (8B decode step at batch 64: 2.93 ms
+    of small-M kernel time vs 2.50 + 0.18 ms for GEMM + sum kernel, docs/benchmarks.md)."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:

@@ -17,8 +17,9 @@ its own KV cache with static shapes:
 - RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
   rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
   layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
-- on CUDA the residual add, the RMSNorm and the following FP8 linear's activation quantization are one
-  kernel (``models/norm.py``), and the FP8 fused QKV output is split in the rollout's [q | k | v] order.
+- on CUDA the residual add and the RMSNorm are one kernel (``models/norm.py``; optionally with the next
+  FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
+  [q | k | v] order.
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor). Sampling stays
 outside the graph (eager, on the GPU, no host sync). Graphs are captured on first use of a bucket
@@ -89,6 +90,10 @@ class StaticDecoder:
         from megatron_jetrl.models.norm import triton_rmsnorm_enabled
 
         self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
+        # ... and the next FP8 linear's activation quantization in that kernel too: off, because on the
+        # H200 the quantizing variant took 9.6 us per call vs 2.3 us without (8B, batch 64), more than
+        # the separate quantizer it saves (docs/benchmarks.md); same bytes either way (tests)
+        self.fuse_norm_quant = False
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -120,9 +125,10 @@ class StaticDecoder:
 
     def _add_norm(self, h, delta, norm, consumer):
         """``h + delta`` (when given) and ``norm`` of it -> (h, x, xq). On CUDA with the one-kernel RMSNorm
-        (``models/norm.py``) the add, the norm and, when ``consumer`` is an FP8 linear about to run the
-        small-M GEMM on x, x's 1x128 quantization are one kernel (``xq``: the bytes and scales the linear's
-        own quantizer would compute); otherwise torch's add and the norm module."""
+        (``models/norm.py``) the add and the norm are one kernel, and with ``fuse_norm_quant``, when
+        ``consumer`` is an FP8 linear about to run the small-M GEMM on x, x's 1x128 quantization too
+        (``xq``: the bytes and scales the linear's own quantizer would compute); otherwise torch's add
+        and the norm module."""
         from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant
 
         if not (self.fuse_add_norm and isinstance(norm, JetRMSNorm) and norm.weight is not None):
@@ -131,7 +137,8 @@ class StaticDecoder:
             return h, norm(h), None
         recipe = None
         state = getattr(consumer, "fp8_state", None)
-        if state is not None and consumer.fp8_active() and consumer.fp8_backend == "scaled_mm":
+        if (self.fuse_norm_quant and state is not None and consumer.fp8_active()
+                and consumer.fp8_backend == "scaled_mm"):
             M = h.numel() // h.shape[-1]
             if M <= state.small_m_max and h.shape[-1] % state.recipe.group_size == 0:
                 recipe = state.recipe
