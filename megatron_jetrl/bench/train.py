@@ -18,7 +18,7 @@ import torch
 from megatron_jetrl.bench.timing import dump_json
 
 
-def _phase(cfg, seq: int, n_seqs: int, steps: int) -> dict:
+def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: bool = False) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -54,6 +54,12 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int) -> dict:
     out = {k: statistics.median(v) for k, v in times.items()}
     out["phase"] = out["logprob"] + out["train"]
     out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile:  # one more training step under the profiler: GPU kernel time by kernel
+        from megatron_jetrl.bench.timing import kernel_table
+
+        table = kernel_table(lambda: actor.train_step(batch), 1,
+                             f"{cfg.precision.mode} train step (fwd/bwd + optimizer), seq {seq}", top=20)
+        out["train_kernel_ms"] = table["ms_per_call"]
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
     gc.collect()
@@ -72,6 +78,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens-per-step", type=int, default=65536, help="tokens in the fixed batch")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the kernels of one training step per mode (where the phase's time goes)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -84,7 +92,7 @@ def main(argv=None) -> list[dict]:
             cfg = load_config(_preset_path(args.preset), [
                 *args.overrides, f"precision.mode={mode}", f"model.num_layers={args.layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
-            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps)
+            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile)
         rows.append({"seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
                      "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
                      "train_speedup": res["bf16"]["train"] / res["jet"]["train"],
