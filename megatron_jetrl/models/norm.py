@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
+from megatron_jetrl.precision.triton_quant import _quantize_store_groups
 
 
 def triton_rmsnorm_enabled() -> bool:
@@ -60,11 +60,14 @@ class RMSNormFunction(torch.autograd.Function):
 class JetRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with the one-kernel CUDA forward above (see the module docstring)."""
 
+    def eps_for(self, dtype: torch.dtype) -> float:
+        """The epsilon torch's RMSNorm uses for ``dtype`` (its own, or the dtype's when None)."""
+        return self.eps if self.eps is not None else torch.finfo(dtype).eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.is_cuda and self.weight is not None and triton_rmsnorm_enabled()
                 and len(self.normalized_shape) == 1 and x.shape[-1] <= 65536):
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            return RMSNormFunction.apply(x, self.weight, eps)
+            return RMSNormFunction.apply(x, self.weight, self.eps_for(x.dtype))
         return super().forward(x)
 
 
@@ -106,15 +109,12 @@ def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr
     y = ((x * rstd) * w).to(y_ptr.dtype.element_ty)  # torch's fused CUDA rms_norm: fp32, one rounding
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
     tl.store(rstd_ptr + row, rstd)
-    if QUANT:  # the 1x128 activation quantizer's rule on the stored bf16 values (triton_quant.py)
+    if QUANT:  # the 1x128 activation quantizer's own group rule (triton_quant.py) on the stored values:
+        # the row as a [groups, G] tile, one scale per group (N is a multiple of G)
         yg = tl.reshape(y.to(tl.float32), (BLOCK // G, G))
-        gm = tl.reshape(mask, (BLOCK // G, G))
-        amax = tl.maximum(tl.max(tl.abs(yg), axis=1), amax_eps)
-        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-        q = tl.clamp(yg * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
-        tl.store(q_ptr + row * stride_q + tl.reshape(cols, (BLOCK // G, G)), q, mask=gm)
-        groups = tl.arange(0, BLOCK // G)
-        tl.store(s_ptr + row * stride_s + groups, scale_inv, mask=groups * G < N)
+        _quantize_store_groups(yg, tl.arange(0, BLOCK // G), tl.arange(0, G), tl.reshape(mask, (BLOCK // G, G)), 0,
+                               q_ptr + row * stride_q, s_ptr + row * stride_s, N // G, G, 1, 0, inv_max, fmax,
+                               amax_eps, UE8M0)
 
 
 def _launch(h2, d2, weight, eps, recipe):

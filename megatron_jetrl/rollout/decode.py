@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant, triton_rmsnorm_enabled
 from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,6 @@ class StaticDecoder:
         self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
         # (CUDA, the one-kernel RMSNorm of models/norm.py)
-        from megatron_jetrl.models.norm import triton_rmsnorm_enabled
-
         self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
         # ... and the next FP8 linear's activation quantization in that kernel too: off, because on the
         # H200 the quantizing variant took 9.6 us per call vs 2.3 us without (8B, batch 64), more than
@@ -129,8 +128,6 @@ class StaticDecoder:
         ``consumer`` is an FP8 linear about to run the small-M GEMM on x, x's 1x128 quantization too
         (``xq``: the bytes and scales the linear's own quantizer would compute); otherwise torch's add
         and the norm module."""
-        from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant
-
         if not (self.fuse_add_norm and isinstance(norm, JetRMSNorm) and norm.weight is not None):
             if delta is not None:
                 h = h + delta
@@ -142,8 +139,7 @@ class StaticDecoder:
             M = h.numel() // h.shape[-1]
             if M <= state.small_m_max and h.shape[-1] % state.recipe.group_size == 0:
                 recipe = state.recipe
-        eps = norm.eps if norm.eps is not None else torch.finfo(h.dtype).eps
-        return add_rmsnorm_quant(h, delta, norm.weight, eps, recipe)
+        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe)
 
     def _qkv(self, attn, x, xq=None):
         """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
@@ -221,7 +217,7 @@ class StaticDecoder:
             try:
                 out, bias = layer.mlp(x)
             finally:
-                if fc1 is not None:
+                if xq is not None:
                     fc1.prequantized_input = None
             delta = out if bias is None else out + bias
         h = h + delta
