@@ -215,6 +215,35 @@ def test_fused_swiglu_quant_bit_identical(M, F, dtype, scale_fmt):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,F", [(4096, 14336), (33, 300)])
+def test_swiglu_backward_kernel_equals_torch(M, F, dtype):
+    """The fused SwiGLU backward (one Triton pass) vs its torch fp32 statement: same fp32 operations
+    in the same order (libdevice expf, IEEE division, no FMA), so equal bytes but for exp's last bit
+    at rare elements: at most one unit of the output dtype's last place anywhere."""
+    from megatron_jetrl.precision.quant import swiglu_backward
+
+    y = _x((M, 2 * F), dtype) * 2
+    da = _x((M, F), dtype, seed=1)
+    out = swiglu_backward(y, da)
+    ref = swiglu_backward(y, da, use_triton=False)
+    same = (out == ref).float().mean().item()
+    print(f"swiglu backward {M}x{F} {dtype}: {100 * same:.4f}% of elements bit-equal")
+    assert same > 0.999
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("shape", [(14336, 4096), (300, 77), (4096, 128)])
+def test_fp8_transpose_kernel_bytes(shape):
+    """dgrad's K-major weight copy: the Triton transpose's bytes equal torch's strided copy."""
+    from megatron_jetrl.precision.triton_quant import transpose_bytes_triton
+
+    q, _ = quantize_weight(_x(shape), FP8Recipe())
+    t = transpose_bytes_triton(q)
+    assert t.is_contiguous() and _same(t, q.t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("S,b,H,G,D,rot", [(1, 64, 32, 8, 128, 128), (37, 3, 4, 2, 64, 32), (5, 2, 6, 6, 80, 80)])
 def test_rope_and_cache_kernel_equals_megatron_rope(S, b, H, G, D, rot, dtype):
     """The decoder's one-kernel RoPE + KV-cache write gives megatron-core's unfused RoPE bytes
@@ -345,3 +374,27 @@ def test_small_m_fused_split_sum_equals_two_kernels(M, N, K):
         assert _same(y, ref)
     torch.cuda.synchronize()
     assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
+
+
+@pytest.mark.parametrize("T,V", [(4096, 128256), (37, 1000)])
+def test_fused_logp_entropy_equals_megatron_path_on_gpu(T, V, megatron_single, monkeypatch):
+    """The fused logprob/entropy kernels (the CUDA default) vs megatron-core's vocab-parallel cross
+    entropy + eager entropy on bf16 logits: values to fp32 summation-order rounding, the logits'
+    gradient (entropy bonus on) to bf16 rounding."""
+    from megatron_jetrl.trainer.actor import vocab_parallel_logp_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(1, T, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, V, (1, T), device="cuda", generator=g)
+    w = torch.randn(1, T, device="cuda", generator=g)
+    res = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("JETRL_FUSED_LOGP", fused)
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logp_entropy(x, labels, 0.8, True)
+        ((lp * w).sum() - 0.1 * ent.sum()).backward()
+        res[fused] = (lp.detach(), ent.detach(), x.grad)
+    (lp, ent, gr), (lp_r, ent_r, gr_r) = res["1"], res["0"]
+    torch.testing.assert_close(lp, lp_r, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent, ent_r, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(gr.float(), gr_r.float(), rtol=1e-2, atol=1e-6)

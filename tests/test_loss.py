@@ -82,3 +82,97 @@ def test_vocab_parallel_logp_and_entropy_match_plain_torch(megatron_single):
     logp2, ent2 = vocab_parallel_logp_entropy(logits, labels, 0.7, True, entropy_grad=False)
     assert torch.equal(logp2, logp) and torch.allclose(ent2, ent, atol=1e-6) and not ent2.requires_grad
     assert torch.equal(torch.autograd.grad(logp2.sum(), logits)[0], g_ref)
+
+
+def _eager_logp_entropy(logits, labels, temperature):
+    """megatron-core's vocab-parallel cross entropy + the entropy (the eager path) at world size 1."""
+    from megatron_jetrl.trainer.actor import vocab_parallel_logp_entropy
+
+    return vocab_parallel_logp_entropy(logits, labels, temperature, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_logp_entropy_equals_megatron_cross_entropy(megatron_single, dtype):
+    """The fused logprob/entropy (``trainer/fused_logp.py``; CPU statistics here) vs megatron-core's
+    vocab-parallel cross entropy and the eager entropy: values and the logits' gradient of a loss
+    using both (entropy bonus on), and with the entropy unused (its backward term skipped)."""
+    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 300, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, 300, (3, 7), generator=g)
+    labels[0, 0], labels[0, 1] = 0, 299
+    w = torch.randn(3, 7, generator=g)
+    for T in (1.0, 0.7):
+        a = logits.clone().requires_grad_(True)
+        b = logits.clone().requires_grad_(True)
+        lp, ent = fused_logp_entropy(a, labels, T)
+        lp_r, ent_r = _eager_logp_entropy(b, labels, T)
+        assert lp.dtype == torch.float32 and lp.shape == labels.shape
+        torch.testing.assert_close(lp, lp_r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ent_r, rtol=1e-5, atol=1e-5)
+        ((lp * w).sum() - 0.1 * ent.sum()).backward()
+        ((lp_r * w).sum() - 0.1 * ent_r.sum()).backward()
+        assert a.grad.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=tol, atol=tol)
+        a.grad = b.grad = None
+        fused_logp_entropy(a, labels, T)[0].sum().backward()  # entropy unused: the logp gradient alone
+        _eager_logp_entropy(b, labels, T)[0].sum().backward()
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=tol, atol=tol)
+
+
+def test_fused_logp_entropy_tensor_parallel_over_gloo():
+    """TP=2: each rank holds half the vocabulary; the combined statistics give the single-rank
+    logprobs and entropy, and each rank's gradient is its slice of the full gradient."""
+    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+    from tests.dist import run_workers
+    from tests.workers import fused_logp_tp_worker
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 64, generator=g) * 3
+    labels = torch.randint(0, 64, (2, 5), generator=g)
+    labels[0, 0], labels[1, 0] = 31, 32  # the last of rank 0's slice, the first of rank 1's
+    full = logits.clone().requires_grad_(True)
+    lp, ent = fused_logp_entropy(full, labels, 0.9)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    res = run_workers(fused_logp_tp_worker, 2, logits, labels, 0.9)
+    for rank, (lp_r, ent_r, grad_r) in enumerate(res):
+        torch.testing.assert_close(lp_r, lp.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ent_r, ent.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad_r, full.grad[..., rank * 32:(rank + 1) * 32], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_logp_kernels_under_the_interpreter():
+    """The Triton kernels of the fused logprob (CUDA in production) under Triton's CPU interpreter,
+    fp32: statistics and gradient equal the torch statement to fp32 rounding, vocabulary slices that
+    are not a multiple of the kernel's block, labels outside the slice (TP)."""
+    import os
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.trainer import fused_logp as F
+g = torch.Generator().manual_seed(0)
+for T, V, start in ((5, 3000, 0), (3, 2048, 2048), (4, 100, 50)):
+    x = torch.randn(T, V, generator=g) * 5
+    lab = torch.randint(start, start + V + 40, (T,), generator=g)
+    lab[0] = start + V - 1
+    st = F._local_stats(x, lab, 0.7, start)
+    lse = st[0] + torch.log(st[1]); ez = st[2] / st[1]
+    glp, gent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    dx = F._logits_grad(x, lab, lse, ez, glp, gent, 0.7, start)
+    dx0 = F._logits_grad(x, lab, lse, ez, glp, None, 0.7, start)
+    F.triton = None  # the torch statement
+    ref = F._local_stats(x, lab, 0.7, start)
+    torch.testing.assert_close(st, ref, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(dx, F._logits_grad(x, lab, lse, ez, glp, gent, 0.7, start), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dx0, F._logits_grad(x, lab, lse, ez, glp, None, 0.7, start), rtol=1e-5, atol=1e-7)
+    import triton as _t
+    F.triton = _t
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

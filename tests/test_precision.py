@@ -427,6 +427,38 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
+    """The fused SwiGLU backward and the FP8 byte transpose (CUDA in production) under Triton's CPU
+    interpreter: the transpose's bytes equal ``x.t().contiguous()`` (partial tiles included); the
+    backward equals the torch statement in fp32 to fp32 rounding (the interpreter's exp is numpy's;
+    bf16 output is checked on the H200, tests/test_gpu.py)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.quant import swiglu_backward
+from megatron_jetrl.precision.triton_quant import swiglu_backward_triton, transpose_bytes_triton
+g = torch.Generator().manual_seed(0)
+for R, C in ((300, 77), (128, 256), (1, 5)):
+    x = (torch.randn(R, C, generator=g) * 100).to(torch.float8_e4m3fn)
+    t = transpose_bytes_triton(x)
+    assert t.shape == (C, R) and t.is_contiguous() and torch.equal(t.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+for M, F in ((37, 600), (4, 256)):
+    y = torch.randn(M, 2 * F, generator=g) * 3
+    da = torch.randn(M, F, generator=g)
+    dy = swiglu_backward_triton(y, da)
+    ref = swiglu_backward(y, da, use_triton=False)
+    assert dy.shape == ref.shape and dy.dtype == ref.dtype
+    torch.testing.assert_close(dy, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(dy[:, :F], torch.zeros_like(dy[:, :F]))
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_rope_and_cache_kernel_under_the_interpreter():
     """The static decoder's RoPE + KV-cache kernel (CUDA in production) under Triton's CPU
     interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's; tests/test_gpu.py checks

@@ -155,3 +155,19 @@ def decode_worker(rank, world, jobs, prompts, max_new):
         dist.barrier()
     destroy_distributed()
     return out
+
+
+def fused_logp_tp_worker(rank, world, logits, labels, temperature):
+    """TP=world: the fused logprob/entropy on this rank's vocabulary slice (CPU statistics, ranks
+    combined over gloo); returns (logp, entropy, this slice's gradient of sum(logp) + sum(entropy))."""
+    from megatron_jetrl.config import ParallelConfig
+    from megatron_jetrl.distributed import destroy_distributed, init_distributed
+    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+
+    init_distributed(ParallelConfig(tensor_parallel=world))
+    v = logits.shape[-1] // world
+    x = logits[..., rank * v:(rank + 1) * v].clone().requires_grad_(True)
+    logp, ent = fused_logp_entropy(x, labels, temperature)
+    (logp.sum() + 0.3 * ent.sum()).backward()
+    destroy_distributed()
+    return logp.detach(), ent.detach(), x.grad

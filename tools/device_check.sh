@@ -2,7 +2,8 @@
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|step|benchtrain|mismatch|train ...]   (default: all)
-# GPU_K=expr limits the tests part to pytest -k expr.
+# GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
+# set the benchtrain part's slices.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -33,9 +34,9 @@ if want step; then
     --plot $OUT/step_phases_h200.png --json $OUT/bench_step.json model.num_layers=8 rollout.max_new_tokens=1024 \
     rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 2>&1 | grep -v -i warn | tee $OUT/bench_step.txt
 fi
-if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step
-  timeout 300 python3 -m megatron_jetrl.cli bench train --layers 8 --seqs 4096 --steps 2 --profile \
-    --json $OUT/bench_train.json 2>&1 | grep -v -i warn | tee $OUT/bench_train.txt
+if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
+  timeout ${BT_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench train --layers ${BT_LAYERS:-8} --seqs ${BT_SEQS:-4096} \
+    --steps 2 ${BT_PROFILE---profile} --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \

@@ -58,7 +58,8 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: bool = False) -> dic
         from megatron_jetrl.bench.timing import kernel_table
 
         table = kernel_table(lambda: actor.train_step(batch), 1,
-                             f"{cfg.precision.mode} train step (fwd/bwd + optimizer), seq {seq}", top=20)
+                             f"{cfg.precision.mode} train step (fwd/bwd + optimizer), {cfg.model.num_layers} layers, "
+                             f"seq {seq}", top=30)
         out["train_kernel_ms"] = table["ms_per_call"]
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
@@ -73,7 +74,7 @@ def main(argv=None) -> list[dict]:
 
     ap = argparse.ArgumentParser(prog="jetrl bench train", description=__doc__)
     ap.add_argument("--preset", default="llama3.1-8b-random")
-    ap.add_argument("--layers", type=int, default=8, help="transformer layers of the preset's shapes")
+    ap.add_argument("--layers", default="8", help="transformer layers of the preset's shapes (comma-separated: several slices)")
     ap.add_argument("--seqs", default="4096,8192", help="sequence lengths")
     ap.add_argument("--tokens-per-step", type=int, default=65536, help="tokens in the fixed batch")
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -86,24 +87,24 @@ def main(argv=None) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("jetrl bench train needs a CUDA GPU")
     rows = []
-    for seq in (int(s) for s in args.seqs.split(",")):
+    for layers, seq in ((int(n), int(s)) for n in args.layers.split(",") for s in args.seqs.split(",")):
         res = {}
         for mode in ("bf16", "jet"):
             cfg = load_config(_preset_path(args.preset), [
-                *args.overrides, f"precision.mode={mode}", f"model.num_layers={args.layers}",
+                *args.overrides, f"precision.mode={mode}", f"model.num_layers={layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
             res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile)
-        rows.append({"seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
+        rows.append({"layers": layers, "seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
                      "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
                      "train_speedup": res["bf16"]["train"] / res["jet"]["train"],
                      "logprob_speedup": res["bf16"]["logprob"] / res["jet"]["logprob"]})
-    print(f"# {args.preset} x {args.layers} layers, {args.tokens_per_step} tokens per step, micro-batch {args.micro_batch}, "
+    print(f"# {args.preset}, {args.tokens_per_step} tokens per step, micro-batch {args.micro_batch}, "
           f"{torch.cuda.get_device_name()}")
-    print("| seq | bf16 phase s | jet phase s | phase speedup | logprob speedup | fwd/bwd+opt speedup | "
+    print("| layers | seq | bf16 phase s | jet phase s | phase speedup | logprob speedup | fwd/bwd+opt speedup | "
           "jet re-quant s | peak GiB bf16 / jet |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seq']} | {r['bf16_phase']:.3f} | {r['jet_phase']:.3f} | {r['phase_speedup']:.2f}x | "
+        print(f"| {r['layers']} | {r['seq']} | {r['bf16_phase']:.3f} | {r['jet_phase']:.3f} | {r['phase_speedup']:.2f}x | "
               f"{r['logprob_speedup']:.2f}x | {r['train_speedup']:.2f}x | {r['jet_requant']:.3f} | "
               f"{r['bf16_peak_GiB']:.1f} / {r['jet_peak_GiB']:.1f} |")
     dump_json(args.json, rows)

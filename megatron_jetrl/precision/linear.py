@@ -191,13 +191,10 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         y, xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
+        from megatron_jetrl.precision.quant import swiglu_backward
+
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
-        gate, up = y.float().chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        da = da.float()
-        dgate = da * up * sig * (1 + gate * (1 - sig))
-        dup = da * gate * sig
-        return torch.cat([dgate, dup], -1).to(y.dtype), dw, None, None, None, None, None, None
+        return swiglu_backward(y, da), dw, None, None, None, None, None, None
 
 
 class FP8LinearMixin:

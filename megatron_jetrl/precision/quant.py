@@ -90,6 +90,24 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def swiglu_backward(y: torch.Tensor, da: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """Gradient of ``swiglu(y)`` w.r.t. ``y = [gate | up]`` given ``da`` (the gradient of the
+    activation), computed in fp32 and returned in ``y``'s dtype. On CUDA one Triton pass
+    (``triton_quant.swiglu_backward_triton``, same fp32 operations in the same order)."""
+    if use_triton is None:
+        use_triton = y.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import swiglu_backward_triton
+
+        return swiglu_backward_triton(y, da)
+    gate, up = y.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    da = da.float()
+    dgate = da * up * sig * (1 + gate * (1 - sig))
+    dup = da * gate * sig
+    return torch.cat([dgate, dup], -1).to(y.dtype)
+
+
 def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
                     scale_col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_act(swiglu(y))``; on CUDA one fused Triton pass (the BF16 activation is never
