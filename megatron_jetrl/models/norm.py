@@ -139,27 +139,28 @@ class JetNorm:
 def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr, N, stride_h, stride_d,
                     stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps,
                     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-                    G: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: optional residual add, RMSNorm (fp32, one rounding), optional 1x128 quantization."""
+                    G: tl.constexpr, NG: tl.constexpr):
+    """One row, held as an [NG, G] tile (element ``i * G + j``): optional residual add, RMSNorm
+    (fp32, one rounding), optional 1x128 quantization (one scale per tile row: the quantizer's
+    groups, no reshape of the row). Every variant reduces the sum of squares in the same order, so
+    the norm's bytes do not depend on the add or the quantization being fused."""
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    offs = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
+    mask = offs < N
+    x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded as torch's ``h + out`` is
-        d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(hout_ptr.dtype.element_ty)
-        tl.store(hout_ptr + row * stride_ho + cols, x, mask=mask)
+        tl.store(hout_ptr + row * stride_ho + offs, x, mask=mask)
     x = x.to(tl.float32)
-    ms = tl.sum(x * x, axis=0) / N
+    ms = tl.sum(tl.sum(x * x, axis=1), axis=0) / N
     rstd = tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((x * rstd) * w).to(y_ptr.dtype.element_ty)  # torch's fused CUDA rms_norm: fp32, one rounding
-    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     tl.store(rstd_ptr + row, rstd)
-    if QUANT:  # the 1x128 activation quantizer's own group rule (triton_quant.py) on the stored values:
-        # the row as a [groups, G] tile, one scale per group (N is a multiple of G)
-        yg = tl.reshape(y.to(tl.float32), (BLOCK // G, G))
-        _quantize_store_groups(yg, tl.arange(0, BLOCK // G), tl.arange(0, G), tl.reshape(mask, (BLOCK // G, G)), 0,
+    if QUANT:  # the 1x128 activation quantizer's own group rule (triton_quant.py) on the stored values
+        _quantize_store_groups(y.to(tl.float32), tl.arange(0, NG), tl.arange(0, G), mask, 0,
                                q_ptr + row * stride_q, s_ptr + row * stride_s, N // G, G, 1, 0, inv_max, fmax,
                                amax_eps, UE8M0)
 
@@ -175,13 +176,14 @@ def _launch(h2, d2, weight, eps, recipe):
     q = torch.empty((M, N), dtype=recipe.dtype, device=h2.device) if recipe is not None else y
     s = torch.empty((M, N // G), dtype=torch.float32, device=h2.device) if recipe is not None else y
     if M:
-        block = max(triton.next_power_of_2(N), G)
+        ng = triton.next_power_of_2(triton.cdiv(N, G))
+        block = ng * G
         fmax = recipe.fp8_max if recipe is not None else 448.0
         _rmsnorm_kernel[(M,)](
             h2, d2 if d2 is not None else h2, weight, hout, y, q, s, rstd, N, h2.stride(0),
             d2.stride(0) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
             1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12, HAS_DELTA=d2 is not None,
-            QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, BLOCK=block,
+            QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, NG=ng,
             num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)  # no FMA: torch's roundings
     return hout, y, ((q, s) if recipe is not None else None), rstd
 

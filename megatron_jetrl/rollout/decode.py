@@ -29,6 +29,7 @@ and reused while the weight storage is unchanged (the FP8 cache refreshes in pla
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -89,10 +90,11 @@ class StaticDecoder:
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
         # (CUDA, the one-kernel RMSNorm of models/norm.py)
         self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
-        # ... and the next FP8 linear's activation quantization in that kernel too: off, because on the
-        # H200 the quantizing variant took 9.6 us per call vs 2.3 us without (8B, batch 64), more than
-        # the separate quantizer it saves (docs/benchmarks.md); same bytes either way (tests)
-        self.fuse_norm_quant = False
+        # ... and the next FP8 linear's activation quantization in that kernel too (JETRL_NORM_QUANT=1):
+        # off by default, because on the H200 the quantizing variant took 9.6 us per call vs 2.3 us
+        # without (8B, batch 64, session 4), more than the separate quantizer it saves
+        # (docs/benchmarks.md); same bytes either way (tests)
+        self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "0") == "1"
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
