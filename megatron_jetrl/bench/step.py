@@ -66,7 +66,7 @@ def plot(rows: list[dict], path: str, title: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     left = [0.0] * len(rows)
     colors = {"rollout": "#4c72b0", "logprob": "#dd8452", "train": "#55a868", "weight_sync": "#c44e52"}
     for p in PHASES:
@@ -78,7 +78,7 @@ def plot(rows: list[dict], path: str, title: str) -> str:
         ax.text(left[i], i, f"  {r['step']:.3g} s" + (f" ({base / r['step']:.2f}x)" if base else ""), va="center")
     ax.set_xlabel("seconds per RL step (median)")
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(PHASES), fontsize=8, frameon=False)
     ax.set_xlim(0, max(left) * 1.35)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
