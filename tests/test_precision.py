@@ -429,7 +429,8 @@ print("ok")
 
 def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
     """The fused SwiGLU backward and the FP8 byte transpose (CUDA in production) under Triton's CPU
-    interpreter: the transpose's bytes equal ``x.t().contiguous()`` (partial tiles included); the
+    interpreter: the transpose's bytes equal ``x.t().contiguous()`` (partial tiles included); wgrad's
+    transposed 1x128 quantizer writes what the 1x128 quantizer writes for ``x^T`` (kernel to kernel); the
     backward equals the torch statement in fp32 to fp32 rounding (the interpreter's exp is numpy's;
     bf16 output is checked on the H200, tests/test_gpu.py)."""
     import subprocess
@@ -444,6 +445,14 @@ for R, C in ((300, 77), (128, 256), (1, 5)):
     x = (torch.randn(R, C, generator=g) * 100).to(torch.float8_e4m3fn)
     t = transpose_bytes_triton(x)
     assert t.shape == (C, R) and t.is_contiguous() and torch.equal(t.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.triton_quant import quantize_act_triton, quantize_transposed_triton
+r = FP8Recipe(mode="jet")
+for R, C in ((300, 200), (128, 128)):  # wgrad's dy^T quantizer (transposed store) == the 1x128 quantizer on x^T
+    x = torch.randn(R, C, generator=g) * 3
+    q, s = quantize_transposed_triton(x, r, tile_scale=False)
+    qr, sr = quantize_act_triton(x.t().contiguous(), r)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (R, C)
 for M, F in ((37, 600), (4, 256)):
     y = torch.randn(M, 2 * F, generator=g) * 3
     da = torch.randn(M, F, generator=g)
