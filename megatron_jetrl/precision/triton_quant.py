@@ -113,8 +113,8 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
     scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
-    if TRANSPOSE:  # transposed in registers/shared memory first: the store is row-contiguous in q
-        tl.store(q_ptr + cols[:, None] * stride_qc + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    if TRANSPOSE:
+        tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
     else:
         tl.store(q_ptr + rows[:, None] * stride_qc + cols[None, :], q, mask=mask)
     if TILE_SCALE:
