@@ -229,6 +229,12 @@ for fmt in ("fp32", "ue8m0"):
         y2 = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
                             fused_sum=False)
         assert torch.equal(y, y2), (fmt, M, N, K)
+        # deferred sum: the partials as returned, summed in split order == the summed output
+        from megatron_jetrl.precision.triton_gemm import sum_partials
+        part, n = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
+                                 return_partials=True)
+        y3 = part if n == 1 else sum_partials(part, torch.empty(M, N))
+        assert torch.equal(y3, y2) and (n > 1) == (part.dim() == 3), (fmt, M, N, K, n)
     from megatron_jetrl.precision.triton_gemm import _LOCKS
     assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())  # counters left at zero
     # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer
@@ -551,7 +557,8 @@ def test_fused_add_rmsnorm_quant_under_the_interpreter():
     Triton's CPU interpreter, fp32: the sum is torch's ``h + d``, the norm output is the RMSNorm
     kernel's (same bytes as without the add and the quantizer), the FP8 bytes and scales are the
     activation quantizer's on that output (kernel-to-kernel: the interpreter's own E4M3 cast is
-    used by both), fp32 and ue8m0 scales."""
+    used by both), fp32 and ue8m0 scales; a split-K GEMM's partials as the delta give the bytes of
+    their sum kernel's output as the delta."""
     import subprocess
     import sys
 
@@ -575,6 +582,15 @@ for fmt in ("fp32", "ue8m0"):
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N)
         h3, y3, none = add_rmsnorm_quant(h, None, w, 1e-5)
         assert none is None and h3.data_ptr() == h.data_ptr() and torch.equal(y3, rmsnorm_forward(h, w, 1e-5)[0])
+        # delta as split-K partials (deferred sum): the bytes of the sum kernel's output as delta
+        from megatron_jetrl.precision.triton_gemm import sum_partials
+        parts = torch.randn(3, M, N, generator=g)
+        dsum = sum_partials(parts, torch.empty(M, N))
+        assert torch.equal(dsum, parts[0] + parts[1] + parts[2])
+        h4, y4, (q4, s4) = add_rmsnorm_quant(h, parts, w, 1e-5, r, delta_splits=3)
+        h5, y5, (q5, s5) = add_rmsnorm_quant(h, dsum, w, 1e-5, r)
+        assert torch.equal(h4, h5) and torch.equal(y4, y5) and torch.equal(q4.view(torch.uint8), q5.view(torch.uint8))
+        assert torch.equal(s4, s5)
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)

@@ -137,9 +137,9 @@ class JetNorm:
 
 @triton.jit
 def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr, N, stride_h, stride_d,
-                    stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps,
+                    stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps, stride_dsplit,
                     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-                    G: tl.constexpr, NG: tl.constexpr):
+                    G: tl.constexpr, NG: tl.constexpr, SPLIT: tl.constexpr):
     """One row, held as an [NG, G] tile (element ``i * G + j``): optional residual add, RMSNorm
     (fp32, one rounding), optional 1x128 quantization (one scale per tile row: the quantizer's
     groups, no reshape of the row). Every variant reduces the sum of squares in the same order, so
@@ -150,6 +150,11 @@ def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr
     x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded as torch's ``h + out`` is
         d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if SPLIT > 1:  # delta = a split-K GEMM's fp32 partials: summed in split order and rounded to the
+            # activation dtype, as triton_gemm's sum kernel writes the linear's output
+            for sp in tl.static_range(1, SPLIT):
+                d += tl.load(d_ptr + sp * stride_dsplit + row * stride_d + offs, mask=mask, other=0.0)
+            d = d.to(hout_ptr.dtype.element_ty)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(hout_ptr.dtype.element_ty)
         tl.store(hout_ptr + row * stride_ho + offs, x, mask=mask)
     x = x.to(tl.float32)
@@ -165,7 +170,7 @@ def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr
                                amax_eps, UE8M0)
 
 
-def _launch(h2, d2, weight, eps, recipe):
+def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
     M, N = h2.shape
     hout = torch.empty_like(h2) if d2 is not None else h2
     y = torch.empty_like(h2)
@@ -181,25 +186,36 @@ def _launch(h2, d2, weight, eps, recipe):
         fmax = recipe.fp8_max if recipe is not None else 448.0
         _rmsnorm_kernel[(M,)](
             h2, d2 if d2 is not None else h2, weight, hout, y, q, s, rstd, N, h2.stride(0),
-            d2.stride(0) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
-            1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12, HAS_DELTA=d2 is not None,
+            d2.stride(-2) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
+            1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12,
+            d2.stride(0) if splits > 1 else 0, HAS_DELTA=d2 is not None, SPLIT=splits,
             QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, NG=ng,
             num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)  # no FMA: torch's roundings
     return hout, y, ((q, s) if recipe is not None else None), rstd
 
 
-def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, recipe=None):
+def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, recipe=None, delta_splits: int = 1):
     """Inference (no autograd), CUDA: ``h2 = h + delta`` (when ``delta`` is given) and
     ``y = JetRMSNorm(h2)``, and with a ``recipe`` also ``quantize_act(y)`` (1x128 groups, row-major
     scales), in one kernel. Returns ``(h2, y, (q, scale_inv) or None)``: the same bytes as the
     separate add, norm kernel and activation quantizer (tests). Needs the hidden size a multiple
-    of the recipe's group when quantizing."""
+    of the recipe's group when quantizing. ``delta_splits > 1``: ``delta`` is a split-K GEMM's fp32
+    partials ``[splits, tokens, N]`` (``triton_gemm.small_m_linear(..., return_partials=True)``),
+    summed here exactly as its sum kernel would (same bytes, one launch less)."""
     shape, N = h.shape, h.shape[-1]
     h2 = h.reshape(-1, N)
-    d2 = None if delta is None else delta.reshape(-1, N)
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
-    if d2 is not None and d2.stride(-1) != 1:
-        d2 = d2.contiguous()
-    hout, y, xq, _ = _launch(h2, d2, weight, eps, recipe)
+    if delta is None:
+        d2 = None
+    elif delta_splits > 1:
+        d2 = delta.reshape(delta_splits, -1, N).contiguous()
+        if d2.dtype != torch.float32 or d2.shape[1] != h2.shape[0]:
+            raise ValueError(f"add_rmsnorm_quant: split-K partials {tuple(delta.shape)} {delta.dtype} do not "
+                             f"match h {tuple(h.shape)}")
+    else:
+        d2 = delta.reshape(-1, N)
+        if d2.stride(-1) != 1:
+            d2 = d2.contiguous()
+    hout, y, xq, _ = _launch(h2, d2, weight, eps, recipe, delta_splits)
     return hout.view(shape), y.view(shape), xq

@@ -211,6 +211,12 @@ class FP8LinearMixin:
     """Set by the static decoder around an inference call whose input's FP8 bytes and scales were
     computed by the op that produced it (fused add + RMSNorm + quantizer): ``(q, scale_inv)``, used by
     the small-M GEMM instead of quantizing the input again (same bytes)."""
+    defer_split_sum = False
+    """Set by the static decoder around an inference call whose output only feeds its fused residual
+    add + RMSNorm kernel (attention's output projection, the MLP's fc2; TP=1, no bias): when the
+    small-M GEMM splits K, the call returns the unsummed fp32 partials ``[split, tokens, N]`` and sets
+    ``deferred_splits``; the norm kernel sums them (same bytes as the sum kernel, one launch less)."""
+    deferred_splits = 0
     rollout_layout_output = False
     """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
     the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
@@ -248,6 +254,11 @@ class FP8LinearMixin:
             pre = self.prequantized_input
             if pre is not None and (fused or pre[0].shape[0] != M):
                 pre = None
+            if (self.defer_split_sum and bias is None and inv_perm is None
+                    and getattr(self, "bias", None) is None):
+                out, self.deferred_splits = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe,
+                                                           swiglu=fused, xq=pre, return_partials=True)
+                return out
             out = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe, swiglu=fused, xq=pre)
             if inv_perm is not None:
                 out = out.index_select(-1, inv_perm.to(out.device))

@@ -136,7 +136,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
                    block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
                    swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   fused_sum: bool = False):
+                   fused_sum: bool = False, return_partials: bool = False):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -151,7 +151,10 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     each output tile sums the fp32 partials in split order (a per-tile counter), instead of a second
     kernel; the same order, so the same bytes either way. Off by default: on the H200 it saved the
     second kernel's launches but the GEMM's own time grew more (8B decode step at batch 64: 2.93 ms
-    of small-M kernel time vs 2.50 + 0.18 ms for GEMM + sum kernel, docs/benchmarks.md)."""
+    of small-M kernel time vs 2.50 + 0.18 ms for GEMM + sum kernel, docs/benchmarks.md).
+    ``return_partials``: returns ``(out, split)``; with split-K, ``out`` is the unsummed fp32 partials
+    ``[split, M, N]`` for a consumer that sums them itself in split order (the decoder's residual add +
+    RMSNorm kernel: same bytes as the sum kernel, one launch less), else y and 1."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -194,7 +197,18 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
                               SPLIT=split, FUSED_SUM=locks is not None, num_warps=num_warps)
         if split > 1 and locks is None:
-            block = 1024
-            _split_sum_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLIT=split, BLOCK=block)
+            if return_partials:
+                return part, split
+            sum_partials(part, y)
     y = y.view(*lead, N)
+    if return_partials:
+        return y, 1
     return (y, q, s) if return_quantized else y
+
+
+def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [M, N] = sum_s part[s]`` in split order (fp32), written in ``out``'s dtype."""
+    split, MN = part.shape[0], part[0].numel()
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block)
+    return out

@@ -95,6 +95,11 @@ class StaticDecoder:
         # without (8B, batch 64, session 4), more than the separate quantizer it saves
         # (docs/benchmarks.md); same bytes either way (tests)
         self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "0") == "1"
+        # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
+        # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
+        # (same bytes; JETRL_DEFER_SPLIT_SUM=0 turns it off)
+        self.defer_split_sum = (self.fuse_add_norm and self.cfg.tensor_model_parallel_size == 1
+                                and os.environ.get("JETRL_DEFER_SPLIT_SUM", "1") != "0")
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -124,7 +129,30 @@ class StaticDecoder:
             allowed = (allowed & (k_pos <= q_pos)) | (k_pos == q_pos)
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    def _add_norm(self, h, delta, norm, consumer):
+    def _deferred(self, lin, fn, *args):
+        """``fn(*args)`` -> (out, bias, splits): with ``defer_split_sum`` and ``lin`` an FP8 linear that
+        takes the small-M path, a split-K ``out`` is its unsummed fp32 partials (``splits`` > 1; see
+        ``FP8LinearMixin.defer_split_sum``), summed by the next ``_add_norm``."""
+        defer = self.defer_split_sum and lin is not None and getattr(lin, "fp8_state", None) is not None
+        if defer:
+            lin.defer_split_sum, lin.deferred_splits = True, 1
+        try:
+            out, bias = fn(*args)
+        finally:
+            if defer:
+                lin.defer_split_sum = False
+        return out, bias, lin.deferred_splits if defer else 1
+
+    @staticmethod
+    def _summed(delta, splits: int, like: torch.Tensor) -> torch.Tensor:
+        """A deferred split-K output summed (the GEMM's own sum kernel), shaped like ``like``."""
+        if splits <= 1:
+            return delta
+        from megatron_jetrl.precision.triton_gemm import sum_partials
+
+        return sum_partials(delta, torch.empty(like.shape, dtype=like.dtype, device=like.device))
+
+    def _add_norm(self, h, delta, norm, consumer, splits: int = 1):
         """``h + delta`` (when given) and ``norm`` of it -> (h, x, xq). On CUDA with the one-kernel RMSNorm
         (``models/norm.py``) the add and the norm are one kernel, and with ``fuse_norm_quant``, when
         ``consumer`` is an FP8 linear about to run the small-M GEMM on x, x's 1x128 quantization too
@@ -132,7 +160,7 @@ class StaticDecoder:
         and the norm module."""
         if not (self.fuse_add_norm and isinstance(norm, JetRMSNorm) and norm.weight is not None):
             if delta is not None:
-                h = h + delta
+                h = h + self._summed(delta, splits, h)
             return h, norm(h), None
         recipe = None
         state = getattr(consumer, "fp8_state", None)
@@ -141,7 +169,7 @@ class StaticDecoder:
             M = h.numel() // h.shape[-1]
             if M <= state.small_m_max and h.shape[-1] % state.recipe.group_size == 0:
                 recipe = state.recipe
-        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe)
+        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe, splits)
 
     def _qkv(self, attn, x, xq=None):
         """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
@@ -204,25 +232,27 @@ class StaticDecoder:
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
         mask = self._mask_bias(rows, idx, Lb, causal)
-        delta = None  # the last block's output, added to the residual stream by the next norm
+        delta, splits = None, 1  # the last block's output (or its split-K partials), added by the next norm
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
-            h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv)
+            h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv, splits)
             q, k, v = self._qkv(attn, x, xq)
             ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
-            out, bias = attn.linear_proj(ctx)
-            delta = out if bias is None else out + bias
+            out, bias, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
+            delta = out if bias is None else self._summed(out, splits, h) + bias
+            splits = splits if bias is None else 1
             fc1 = getattr(layer.mlp, "linear_fc1", None)
-            h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1)
+            h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1, splits)
             if xq is not None:
                 fc1.prequantized_input = xq
             try:
-                out, bias = layer.mlp(x)
+                out, bias, splits = self._deferred(getattr(layer.mlp, "linear_fc2", None), layer.mlp, x)
             finally:
                 if xq is not None:
                     fc1.prequantized_input = None
-            delta = out if bias is None else out + bias
-        h = h + delta
+            delta = out if bias is None else self._summed(out, splits, h) + bias
+            splits = splits if bias is None else 1
+        h = h + self._summed(delta, splits, h)
         h = self.gpt.decoder.final_layernorm(h[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
         logits, _ = self.gpt.output_layer(h, weight=weight)
