@@ -130,9 +130,10 @@ class StaticDecoder:
         return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
     def _deferred(self, lin, fn, *args):
-        """``fn(*args)`` -> (out, bias, splits): with ``defer_split_sum`` and ``lin`` an FP8 linear that
-        takes the small-M path, a split-K ``out`` is its unsummed fp32 partials (``splits`` > 1; see
-        ``FP8LinearMixin.defer_split_sum``), summed by the next ``_add_norm``."""
+        """``fn(*args)`` (a block returning ``(out, bias)``) -> (delta, splits): the block's output plus its
+        bias; with ``defer_split_sum`` and ``lin`` an FP8 linear that takes the small-M path, a split-K
+        output is its unsummed fp32 partials (``splits`` > 1; see ``FP8LinearMixin.defer_split_sum``,
+        which defers only for a linear without bias), summed by the next ``_add_norm``."""
         defer = self.defer_split_sum and lin is not None and getattr(lin, "fp8_state", None) is not None
         if defer:
             lin.defer_split_sum, lin.deferred_splits = True, 1
@@ -141,7 +142,7 @@ class StaticDecoder:
         finally:
             if defer:
                 lin.defer_split_sum = False
-        return out, bias, lin.deferred_splits if defer else 1
+        return (out if bias is None else out + bias), (lin.deferred_splits if defer else 1)
 
     @staticmethod
     def _summed(delta, splits: int, like: torch.Tensor) -> torch.Tensor:
@@ -238,20 +239,16 @@ class StaticDecoder:
             h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv, splits)
             q, k, v = self._qkv(attn, x, xq)
             ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
-            out, bias, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
-            delta = out if bias is None else self._summed(out, splits, h) + bias
-            splits = splits if bias is None else 1
+            delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
             fc1 = getattr(layer.mlp, "linear_fc1", None)
             h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1, splits)
             if xq is not None:
                 fc1.prequantized_input = xq
             try:
-                out, bias, splits = self._deferred(getattr(layer.mlp, "linear_fc2", None), layer.mlp, x)
+                delta, splits = self._deferred(getattr(layer.mlp, "linear_fc2", None), layer.mlp, x)
             finally:
                 if xq is not None:
                     fc1.prequantized_input = None
-            delta = out if bias is None else self._summed(out, splits, h) + bias
-            splits = splits if bias is None else 1
         h = h + self._summed(delta, splits, h)
         h = self.gpt.decoder.final_layernorm(h[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None

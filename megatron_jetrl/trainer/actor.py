@@ -66,13 +66,13 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     ``entropy_grad=False``: the entropy is a metric only (no entropy bonus): computed without
     autograd before the cross entropy consumes ``z`` in place, so neither a second fp32 copy of the
     [tokens x vocab] logits nor the exp() of it is kept for backward (several GB per micro-batch
-    at a 128K vocabulary). On CUDA both come from ``fused_logp.fused_logp_entropy`` (one Triton pass
-    over the logits each way, no fp32 copy); this eager path is the CPU one and the reference."""
+    at a 128K vocabulary). On CUDA both come from ``fused_logp.fused_logp_entropy`` (one Triton kernel
+    over the bf16 logits each way, no fp32 copy); this eager path is the CPU one and the reference."""
     from megatron.core import tensor_parallel
 
     from megatron_jetrl.trainer.fused_logp import fused_enabled, fused_logp_entropy
 
-    if fused_enabled(logits):  # CUDA: one pass forward, one backward, no fp32 logits (fused_logp.py)
+    if fused_enabled(logits):  # CUDA: one kernel forward, one backward, no fp32 logits (fused_logp.py)
         logp, entropy = fused_logp_entropy(logits, labels, temperature)
         if not with_entropy:
             return logp, None

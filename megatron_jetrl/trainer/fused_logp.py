@@ -6,13 +6,13 @@ entropy) makes about ten passes over fp32 [tokens x vocab] tensors per micro-bat
 fp32 softmax for backward: at a 128K vocabulary and 4096 tokens that is 2.1 GB per tensor and, on
 the H200, ~10 ms per micro-batch in both training precisions. Here:
 
-- forward: one pass over the logits per rank (in their own dtype) gives, per row, the local max
-  ``m``, ``s = sum exp(z - m)``, ``sz = sum exp(z - m) * z`` and the label's ``z`` when the label is
-  in this rank's vocabulary slice (``z = logits / T`` in fp32). Ranks combine those [tokens]-sized
-  statistics (max, then sums rescaled by ``exp(m_r - M)``): ``lse = M + log s``,
-  ``logp = z_label - lse``, ``entropy = lse - sz / s``.
-- backward: one pass recomputes ``p = exp(z - lse)`` and writes the logits' gradient in their dtype:
-  ``(g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T``. Only the logits (already alive) and
+- forward: one kernel per rank reads each row of the logits (in their own dtype) twice, first for
+  the local max ``m``, then for ``s = sum exp(z - m)``, ``sz = sum exp(z - m) * z`` and the label's
+  ``z`` when the label is in this rank's vocabulary slice (``z = logits / T`` in fp32). Ranks combine
+  those [tokens]-sized statistics (max, then sums rescaled by ``exp(m_r - M)``):
+  ``lse = M + log s``, ``logp = z_label - lse``, ``entropy = lse - sz / s``.
+- backward: one kernel, one read of each row, recomputes ``p = exp(z - lse)`` and writes the
+  logits' gradient in their dtype: ``(g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T``. Only the logits (already alive) and
   four floats per token are saved.
 
 On CUDA the per-row passes are Triton kernels; elsewhere the same statistics in torch (the CPU path
