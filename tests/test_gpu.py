@@ -162,6 +162,30 @@ def test_small_m_triton_gemm_bytes_and_result(M, N, K, scale_fmt):
     assert ((y_bf16.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
+@pytest.mark.parametrize("swap,tma", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (16, 14336, 4096), (64, 4096, 14336), (256, 1024, 512),
+                                   (200, 1000, 1312), (7, 1000, 1300)])
+def test_small_m_gemm_layouts_agree(M, N, K, swap, tma):
+    """The swapped-operand layout and the TMA loads compute the plain kernel's GEMM from the same bytes:
+    equal to the dequantized reference within the FP8 tensor-core accumulator's bound (the same bound as
+    test_small_m_triton_gemm_bytes_and_result), and to the plain kernel within twice that."""
+    from megatron_jetrl.precision.triton_gemm import small_m_linear
+    from megatron_jetrl.precision.triton_quant import quantize_act_triton
+
+    recipe = FP8Recipe()
+    x = _x((M, K))
+    qw, sw = quantize_weight(_x((N, K), seed=1) * 0.02, recipe)
+    xq = quantize_act_triton(x, recipe)
+    ref = block_gemm(xq[0], xq[1].t().contiguous().t(), qw, sw, "emulated", torch.float32)
+    plain = small_m_linear(x, qw, sw, recipe, torch.float32, xq=xq, swap=False, tma=False)
+    for split in (None, 1, 3):
+        y = small_m_linear(x, qw, sw, recipe, torch.float32, xq=xq, swap=swap, tma=tma, split_k=split)
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-3, split
+        assert ((y - plain).norm() / ref.norm()).item() < 2e-3, split
+    y_bf16 = small_m_linear(x.bfloat16(), qw, sw, recipe, swap=swap, tma=tma)  # x quantized inside
+    assert ((y_bf16.float() - ref).norm() / ref.norm()).item() < 4e-3
+
+
 @pytest.mark.parametrize("mode,small_m", [("bf16", 0), ("jet", 0), ("jet", 256)])
 def test_graph_captured_decode_equals_eager_decode(mode, small_m, tmp_path, megatron_single):
     """The static decoder replaying CUDA graphs draws the same tokens with the same logprobs as the

@@ -214,7 +214,7 @@ for fmt in ("fp32", "ue8m0"):
     for M, N, K, bn, split, pre, bm in ((1, 256, 384, None, None, False, None), (5, 384, 320, None, None, False, None),
                                         (33, 128, 256, None, None, False, None), (2, 200, 1000, 32, 3, False, None),
                                         (17, 384, 1024, 128, 8, False, None), (40, 256, 640, 64, 2, True, 32),
-                                        (3, 130, 300, None, None, True, None)):
+                                        (3, 130, 300, None, None, True, None), (70, 200, 400, 128, 2, True, None)):
         x = torch.randn(M, K, generator=g) * 3
         w = torch.randn(N, K, generator=g)
         qw, ws = quantize_weight(w, r)
@@ -235,6 +235,12 @@ for fmt in ("fp32", "ue8m0"):
                                  return_partials=True)
         y3 = part if n == 1 else sum_partials(part, torch.empty(M, N))
         assert torch.equal(y3, y2) and (n > 1) == (part.dim() == 3), (fmt, M, N, K, n)
+        # the swapped-operand layout (y^T = W x^T per tile) and bulk-copy (TMA descriptor) loads: the same
+        # products in the same fp32 order (the interpreter's dot is exact, so equal bytes here)
+        for swap, tma in ((True, False), (False, True), (True, True)):
+            y4 = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
+                                swap=swap, tma=tma)
+            assert torch.equal(y4, y2), (fmt, M, N, K, swap, tma)
     from megatron_jetrl.precision.triton_gemm import _LOCKS
     assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())  # counters left at zero
     # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer

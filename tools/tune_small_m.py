@@ -1,56 +1,114 @@
-"""Sweep the small-M FP8 GEMM's launch plan (BLOCK_N, split-K, pipeline stages) on this GPU.
+"""Sweep the small-M FP8 GEMM's launch plan (layout, TMA, BLOCK_N, split-K, stages, row tile) on this GPU.
 
 Usage (CUDA): ``python tools/tune_small_m.py [--json out.json]``. For each decode shape and M it
-times every plan as a CUDA-graph replay next to bf16 ``F.linear`` and prints the best plan, the
-default plan's time and both ratios to bf16, so the defaults in ``triton_gemm.plan`` can be checked
-against measurements.
+times every plan as a CUDA-graph replay next to bf16 ``F.linear`` and cuBLAS block-FP8 ``scaled_mm``
+and prints the best plan, the default plan's time and the ratios to bf16, so the defaults in
+``triton_gemm.plan`` can be checked against measurements.
+
+What is timed is what the decoder runs: the GEMM kernel with x already quantized (the decoder's
+norm kernel quantizes it) and the split-K partials left unsummed (summed by the next norm kernel
+for the output projection and fc2; ``--with-sum`` adds the sum kernel). A decode step reads each
+layer's weights once, so each timed call cycles through enough copies of the weight (``--rotate-mb``,
+bf16 and FP8 alike) that they cannot stay in the 50 MB L2 between uses; per-call time is the graph's
+time divided by the copies.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.linear import DECODE_M, DECODE_SHAPES
+from megatron_jetrl.bench.linear import DECODE_SHAPES
 from megatron_jetrl.bench.timing import dump_json, print_table, time_graph_ms
+from megatron_jetrl.precision import triton_gemm
+from megatron_jetrl.precision.gemm import block_gemm
 from megatron_jetrl.precision.quant import quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.triton_quant import quantize_act_triton
 from megatron_jetrl.precision.triton_gemm import small_m_linear
+
+HBM_TBPS = 4.2  # copy-bandwidth ceiling measured on the H200
+
+
+def _rotated(fn, copies: int):
+    """Per-call ms of ``fn(i)`` over ``copies`` weight copies in one graph (CPU, to check the script under
+    ``TRITON_INTERPRET=1``: one wall-clock pass)."""
+    if not torch.cuda.is_available():
+        import time
+
+        t0 = time.perf_counter()
+        [fn(i) for i in range(copies)]
+        return (time.perf_counter() - t0) * 1e3 / copies
+    return time_graph_ms(lambda: [fn(i) for i in range(copies)], rep=30) / copies
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--split", default="1,2,4,8,16")
-    ap.add_argument("--stages", default="2,3,4")
-    ap.add_argument("--prequant", default="0,1", help="1: x quantized once beforehand (FP8 tiles streamed)")
+    ap.add_argument("--m", default="16,64,256", help="token counts to sweep")
+    ap.add_argument("--swap", default="0,1", help="1: y^T = W x^T per tile (weight rows on the MMA's wide side)")
+    ap.add_argument("--tma", default="0,1", help="1: FP8 tiles loaded by the bulk tensor copy engine")
+    ap.add_argument("--block-n", default="128")
+    ap.add_argument("--split", default="0,1,2,4,8", help="0: the plan's choice")
+    ap.add_argument("--stages", default="3,4")
     ap.add_argument("--block-m", default="0", help="row tile (0: the plan's choice by M)")
     ap.add_argument("--warps", default="4")
-    ap.add_argument("--m", default=",".join(map(str, DECODE_M)), help="token counts to sweep")
+    ap.add_argument("--rotate-mb", type=float, default=200.0, help="FP8 weight bytes cycled per timed call")
+    ap.add_argument("--with-sum", action="store_true", help="time the split-K sum kernel too")
+    ap.add_argument("--shapes", default="", help="N:K,... (default: the decode shapes)")
     args = ap.parse_args(argv)
     recipe = FP8Recipe()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     ints = lambda a: [int(v) for v in a.split(",")]  # noqa: E731
-    for (N, K), M in itertools.product(DECODE_SHAPES, ints(args.m)):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sw = quantize_weight(w, recipe)
-        bf16 = time_graph_ms(lambda: F.linear(x, w))
-        default = time_graph_ms(lambda: small_m_linear(x, qw, sw, recipe))
-        best = (float("inf"), None)
-        for bn, sp, st, pq, bm, nw in itertools.product(*(ints(a) for a in (args.block_n, args.split, args.stages,
-                                                                             args.prequant, args.block_m, args.warps))):
-            t = time_graph_ms(lambda: small_m_linear(x, qw, sw, recipe, block_n=bn, split_k=sp, num_stages=st,
-                                                     prequant=bool(pq), block_m=bm or None, num_warps=nw), rep=20)
-            best = min(best, (t, f"bn{bn} split{sp} st{st} pre{pq} bm{bm or 'auto'} w{nw}"), key=lambda b: b[0])
-        rows.append({"M": M, "N": N, "K": K, "bf16_ms": bf16, "default_ms": default, "default_speedup": bf16 / default,
-                     "best_ms": best[0], "best_speedup": bf16 / best[0], "best_plan": best[1],
-                     "best_weight_TBps": (N * K) / best[0] / 1e9})
-        print(rows[-1], flush=True)
-    print_table(rows, list(rows[0]))
+    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")] if args.shapes else DECODE_SHAPES
+    for (N, K), M in itertools.product(shapes, ints(args.m)):
+        copies = max(1, math.ceil(args.rotate_mb * 1e6 / (N * K)))
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        qs = [quantize_weight(w, recipe) for w in ws]
+        xq = quantize_act_triton(x, recipe)
+        xq_col = (xq[0], xq[1].t().contiguous().t())
+        bf16 = _rotated(lambda i: F.linear(x, ws[i]), copies)
+        cublas = _rotated(lambda i: block_gemm(xq_col[0], xq_col[1], qs[i][0], qs[i][1],
+                                            "scaled_mm" if dev == "cuda" else "emulated"), copies)
+        ref = block_gemm(xq_col[0], xq_col[1], qs[0][0], qs[0][1], "emulated", torch.float32)
+
+        def call(i, **kw):
+            return small_m_linear(x, qs[i][0], qs[i][1], recipe, xq=xq, return_partials=not args.with_sum, **kw)
+
+        default = _rotated(call, copies)
+        results = []
+        for sw, tm, bn, sp, st, bm, nw in itertools.product(*(ints(a) for a in (
+                args.swap, args.tma, args.block_n, args.split, args.stages, args.block_m, args.warps))):
+            kw = dict(swap=bool(sw), tma=bool(tm), block_n=bn, split_k=sp or None, num_stages=st,
+                      block_m=bm or None, num_warps=nw)
+            try:
+                t = _rotated(lambda i: call(i, **kw), copies)
+                out = small_m_linear(x, qs[0][0], qs[0][1], recipe, torch.float32, xq=xq, **kw)
+                err = ((out - ref).norm() / ref.norm()).item()
+            except Exception as e:  # a plan this GPU/compiler rejects (shared memory, registers)
+                print(f"M={M} N={N} K={K} {kw}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            results.append((t, err, f"swap{sw} tma{tm} bn{bn} split{sp or 'auto'} st{st} bm{bm or 'auto'} w{nw}"))
+        results.sort()
+        best = results[0]
+        by = {}
+        for t, _, name in results:  # best of each (swap, tma) family
+            fam = " ".join(name.split()[:2])
+            by.setdefault(fam, (t, name))
+        row = {"M": M, "N": N, "K": K, "copies": copies, "bf16_us": bf16 * 1e3, "cublas_fp8_us": cublas * 1e3,
+               "default_us": default * 1e3, "default_vs_bf16": bf16 / default, "best_us": best[0] * 1e3,
+               "best_vs_bf16": bf16 / best[0], "best_plan": best[2], "best_rel_err": best[1],
+               "best_TBps": N * K / best[0] / 1e9, "bf16_TBps": 2 * N * K / bf16 / 1e9,
+               "families": {f: (round(t * 1e3, 2), n) for f, (t, n) in by.items()}}
+        rows.append(row)
+        print(row, flush=True)
+    print(f"(HBM copy ceiling {HBM_TBPS} TB/s)")
+    print_table(rows, [c for c in rows[0] if c != "families"])
     dump_json(args.json, rows)
     return rows
 

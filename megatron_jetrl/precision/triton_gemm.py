@@ -19,9 +19,12 @@ cuBLAS ``scaled_mm`` above it. Runs under ``TRITON_INTERPRET=1`` on CPU (the tes
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
@@ -32,21 +35,28 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
                     stride_xm, stride_wn, stride_wsn, stride_ys, stride_ym, stride_qm, stride_sm,
                     inv_max, fmax, eps, out_ptr, lock_ptr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr):
+                    PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
+                    TMA: tl.constexpr):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, G)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:  # y^T tile = W tile @ x^T: the weight rows fill the MMA's 64/128-row side, the tokens its narrow side
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kb0 = pid_k * groups_per_split
     kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, G))
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         k = kb * G + kk
         xm = (rows[:, None] < M) & (k[None, :] < K)
         if PREQ:  # x quantized once beforehand (q_ptr/s_ptr are inputs): FP8 tiles, no re-quantization per N tile
-            xq = tl.load(q_ptr + rows[:, None] * stride_qm + k[None, :], mask=xm, other=0.0)
+            if TMA:  # q_ptr is a tensor descriptor: one bulk copy per tile, out-of-range rows/columns read as 0
+                xq = q_ptr.load([pid_m * BLOCK_M, kb * G])
+            else:
+                xq = tl.load(q_ptr + rows[:, None] * stride_qm + k[None, :], mask=xm, other=0.0)
             x_scale = tl.load(s_ptr + rows * stride_sm + kb, mask=rows < M, other=0.0)
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -57,14 +67,25 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
             if pid_n == 0:
                 tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], xq, mask=xm)
                 tl.store(s_ptr + rows * stride_sm + kb, x_scale, mask=rows < M)
-        wm = (cols[:, None] < N) & (k[None, :] < K)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
+        if TMA:  # w_ptr is a tensor descriptor
+            w = w_ptr.load([pid_n * BLOCK_N, kb * G])
+        else:
+            wm = (cols[:, None] < N) & (k[None, :] < K)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
         w_scale = tl.load(ws_ptr + (cols // G) * stride_wsn + kb, mask=cols < N, other=0.0)
-        part = tl.dot(xq, tl.trans(w), out_dtype=tl.float32)
-        acc += part * x_scale[:, None] * w_scale[None, :]
+        if SWAP:  # same products and the same fp32 scaling order as below, transposed
+            part = tl.dot(w, tl.trans(xq), out_dtype=tl.float32)
+            acc += part * x_scale[None, :] * w_scale[:, None]
+        else:
+            part = tl.dot(xq, tl.trans(w), out_dtype=tl.float32)
+            acc += part * x_scale[:, None] * w_scale[None, :]
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
     ym = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=ym)
+             out.to(y_ptr.dtype.element_ty), mask=ym)
     if FUSED_SUM:  # split-K: the last of the tile's programs to finish sums the partials (fixed order)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
         tile = pid_n * tl.num_programs(0) + pid_m
@@ -89,6 +110,19 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# Launch-plan switches (module constants so the tuner and tests can flip them; measured on the H200,
+# docs/benchmarks.md): SWAP_AB computes y^T = W x^T per tile, so the weight rows, not the few tokens, fill
+# the tensor core's wide side; USE_TMA streams the FP8 tiles (weight, pre-quantized x) with the bulk tensor
+# copy engine instead of per-thread loads.
+SWAP_AB = os.environ.get("JETRL_SMALL_M_SWAP", "0") == "1"
+USE_TMA = os.environ.get("JETRL_SMALL_M_TMA", "0") == "1"
+
+
+def _tma_ok(q: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides and contiguous rows."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) % 16 == 0 for t in (q, qweight))
+
+
 _LOCKS: dict = {}
 
 
@@ -109,7 +143,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | None = None,
-         split_k: int | None = None, waves: float | None = None, block_m: int | None = None) -> tuple[int, int, int, int]:
+         split_k: int | None = None, waves: float | None = None, block_m: int | None = None,
+         swap: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, groups per split) for one call. At decode sizes an N-tile grid
     alone leaves most SMs idle (N=4096 in 128-wide tiles is 32 programs on 132 SMs), so K is split
     until about ``waves`` programs per SM run (``waves`` None: 2 up to 16 rows, 1 above); the fp32
@@ -117,7 +152,7 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
     the best plans ``tools/tune_small_m.py`` measured on the H200 (docs/benchmarks.md): 128-wide N
     tiles; at M=64 split 4 for N=4096 and none for N >= 14336, at M=16 split 8 / 2 / 1 for
     N = 4096 / 14336 / 28672."""
-    block_m = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
+    block_m = block_m or (16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 or not swap else 128)
     block_n = block_n or 128
     groups = triton.cdiv(K, G)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -136,7 +171,8 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
                    block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
                    swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   fused_sum: bool = False, return_partials: bool = False):
+                   fused_sum: bool = False, return_partials: bool = False, swap: bool | None = None,
+                   tma: bool | None = None):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -184,18 +220,22 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
         q = torch.empty((M, K), dtype=recipe.dtype, device=x.device) if return_quantized else y
         s = torch.empty((M, triton.cdiv(K, G)), dtype=torch.float32, device=x.device) if return_quantized else y
     if M:
-        block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m)
+        swap = SWAP_AB if swap is None else swap
+        block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m, swap=swap)
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
         locks = _locks(x.device, grid[0] * grid[1]) if split > 1 and fused_sum else None
-        _small_m_kernel[grid](x2, qweight, w_scale, part, q, s, M, N, K, per, x2.stride(0), qweight.stride(0),
+        tma = (USE_TMA if tma is None else tma) and prequant and _tma_ok(q, qweight)
+        wt, qt = ((TensorDescriptor.from_tensor(qweight, [block_n, G]), TensorDescriptor.from_tensor(q, [block_m, G]))
+                  if tma else (qweight, q))
+        _small_m_kernel[grid](x2, wt, w_scale, part, qt, s, M, N, K, per, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
                               q.stride(0) if return_quantized or prequant else 0,
                               s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
                               recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
                               BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
                               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
-                              SPLIT=split, FUSED_SUM=locks is not None, num_warps=num_warps)
+                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps)
         if split > 1 and locks is None:
             if return_partials:
                 return part, split
