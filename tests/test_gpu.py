@@ -186,11 +186,14 @@ def test_small_m_gemm_layouts_agree(M, N, K, swap, tma):
     assert ((y_bf16.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("mode,small_m", [("bf16", 0), ("jet", 0), ("jet", 256)])
-def test_graph_captured_decode_equals_eager_decode(mode, small_m, tmp_path, megatron_single):
+@pytest.mark.parametrize("mode,small_m,pdl", [("bf16", 0, "0"), ("jet", 0, "0"), ("jet", 256, "0"), ("bf16", 0, "1"),
+                                              ("jet", 256, "1")])
+def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, tmp_path, megatron_single, monkeypatch):
     """The static decoder replaying CUDA graphs draws the same tokens with the same logprobs as the
     same decoder run eagerly, across bucket edges, and keeps doing so after a weight update that
-    refreshes the FP8 cache in place (the captured graphs must read the new bytes)."""
+    refreshes the FP8 cache in place (the captured graphs must read the new bytes). With ``pdl`` the
+    graphs are captured with programmatic dependent launch (JETRL_PDL=1) and the eager reference runs
+    without it: overlapping the kernels' launches must not change a byte."""
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
@@ -206,7 +209,12 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, tmp_path, mega
     params = SamplingParams(max_new_tokens=40, temperature=1.0)
     engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
                for gr in (False, True)}
-    outs = {gr: [engines[gr].generate(prompts, params)] for gr in engines}
+
+    def gen(gr):
+        monkeypatch.setenv("JETRL_PDL", pdl if gr else "0")
+        return engines[gr].generate(prompts, params)
+
+    outs = {gr: [gen(gr)] for gr in engines}
     assert engines[True].last_stats["cuda_graphs"] and not engines[False].last_stats["cuda_graphs"]
     ptr = engines[True]._decoder.graphs and next(iter(engines[True]._decoder.graphs))
     with torch.no_grad():  # an "optimizer step": weights change in place, FP8 caches go stale
@@ -215,7 +223,7 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, tmp_path, mega
                                dtype=p.dtype) * 0.02 * p.float().std().clamp_min(1e-3).to(p.dtype))
     state.bump()
     for gr in engines:
-        outs[gr].append(engines[gr].generate(prompts, params))
+        outs[gr].append(gen(gr))
     assert ptr in engines[True]._decoder.graphs and engines[True].last_stats["graph_capture_s"] == 0.0  # reused
     for k in range(2):
         for a, b in zip(outs[True][k], outs[False][k]):

@@ -3,6 +3,7 @@ quantization share) and, with ``--decode``, at decode sizes, in one run on one G
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,46 @@ DECODE_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
 DECODE_M = [1, 16, 64, 256, 1024]
 
 
-def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> dict:
+def bench_decode_shape(M: int, N: int, K: int, recipe: FP8Recipe, rotate_mb: float = 200.0) -> dict:
+    """One decode-size linear as CUDA-graph replays (how the graph-captured decode step runs it; eager
+    timing at these sizes measures the host's launch path). A decode step reads each layer's weights
+    once, so every timed call cycles through enough weight copies (``rotate_mb`` of FP8 bytes; the
+    same number of BF16 copies) that they cannot be served from the 50 MB L2 between uses: per-call
+    time is the graph's time over the copies. FP8 cuBLAS = Triton activation quantizer + blockwise
+    ``scaled_mm`` (the FP8 linear above ``precision.small_m_max``); Triton small-M = the fused
+    kernel as the FP8 linear calls it below (quantization and split-K sum included)."""
+    from megatron_jetrl.precision.triton_gemm import small_m_linear
+
+    dev = torch.device("cuda")
+    backend = resolve_backend("auto", dev)
+    copies = max(1, math.ceil(rotate_mb * 1e6 / (N * K)))
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    qs = [quantize_weight(w, recipe) for w in ws]
+
+    def rotated(fn):
+        return time_graph_ms(lambda: [fn(i) for i in range(copies)]) / copies
+
+    row = {"M": M, "N": N, "K": K, "backend": backend, "weight_copies": copies}
+    row["bf16_fwd_ms"] = rotated(lambda i: F.linear(x, ws[i]))
+    row["fp8_fwd_ms"] = rotated(lambda i: FP8LinearFunction.apply(x, ws[i], qs[i][0], qs[i][1], None, None, recipe,
+                                                                  backend))
+    row["triton_small_m_ms"] = rotated(lambda i: small_m_linear(x, qs[i][0], qs[i][1], recipe))
+    row["fp8_fwd_eager_ms"] = time_ms(lambda: FP8LinearFunction.apply(x, ws[0], *qs[0], None, None, recipe, backend))
+    row["triton_eager_ms"] = time_ms(lambda: small_m_linear(x, *qs[0], recipe))
+    row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
+    row["triton_speedup"] = row["bf16_fwd_ms"] / row["triton_small_m_ms"]
+    row["triton_weight_TBps"] = (N * K + N * K // 16384 * 4) / row["triton_small_m_ms"] / 1e9
+    row["bf16_weight_TBps"] = 2 * N * K / row["bf16_fwd_ms"] / 1e9
+    xq, xs = quantize_act(x, recipe, scale_col_major=True)
+    ref = block_gemm(xq, xs, *qs[0], "emulated", torch.float32)
+    row["scaled_mm_vs_emulated_rel"] = ((block_gemm(xq, xs, *qs[0], backend, torch.float32) - ref).norm() / ref.norm()).item()
+    row["triton_vs_emulated_rel"] = ((small_m_linear(x, *qs[0], recipe, torch.float32) - ref).norm() / ref.norm()).item()
+    return row
+
+
+def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe) -> dict:
+    """One training-size linear: forward, forward+backward and the quantizers' share, eager (do_bench)."""
     dev = torch.device("cuda")
     backend = resolve_backend("auto", dev)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -26,15 +66,10 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
     qw, sw = quantize_weight(w, recipe)
     xq, xs = quantize_act(x, recipe, scale_col_major=True)
     row = {"M": M, "N": N, "K": K, "backend": backend}
-    # decode sizes are timed as CUDA-graph replays (how the graph-captured decode step runs them):
-    # eager timing at M <= 1024 measures the host's launch path rather than the GPU
-    timer = time_ms if backward else time_graph_ms
-    row["bf16_fwd_ms"] = timer(lambda: F.linear(x, w))
-    row["act_quant_ms"] = timer(lambda: quantize_act(x, recipe, scale_col_major=True))
-    row["fp8_gemm_ms"] = timer(lambda: block_gemm(xq, xs, qw, sw, backend))
-    row["fp8_fwd_ms"] = timer(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend))
-    if not backward:
-        row["fp8_fwd_eager_ms"] = time_ms(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend))
+    row["bf16_fwd_ms"] = time_ms(lambda: F.linear(x, w))
+    row["act_quant_ms"] = time_ms(lambda: quantize_act(x, recipe, scale_col_major=True))
+    row["fp8_gemm_ms"] = time_ms(lambda: block_gemm(xq, xs, qw, sw, backend))
+    row["fp8_fwd_ms"] = time_ms(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend))
     row["weight_quant_ms"] = time_ms(lambda: quantize_weight(w, recipe))
     row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
     row["act_quant_share_of_gemm"] = row["act_quant_ms"] / row["fp8_gemm_ms"]
@@ -47,16 +82,7 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
     ref = block_gemm(xq, xs, qw, sw, "emulated", torch.float32)
     out = block_gemm(xq, xs, qw, sw, backend, torch.float32)
     row["scaled_mm_vs_emulated_rel"] = ((out - ref).norm() / ref.norm()).item()
-    if not backward:  # decode: the fused small-M Triton GEMM (quantization inside) next to the others
-        from megatron_jetrl.precision.triton_gemm import small_m_linear
-
-        row["triton_small_m_ms"] = timer(lambda: small_m_linear(x, qw, sw, recipe))
-        row["triton_eager_ms"] = time_ms(lambda: small_m_linear(x, qw, sw, recipe))
-        row["triton_speedup"] = row["bf16_fwd_ms"] / row["triton_small_m_ms"]
-        row["triton_weight_TBps"] = (N * K + N * K // 16384 * 4) / row["triton_small_m_ms"] / 1e9
-        row["bf16_weight_TBps"] = 2 * N * K / row["bf16_fwd_ms"] / 1e9
-        row["triton_vs_emulated_rel"] = ((small_m_linear(x, qw, sw, recipe, torch.float32) - ref).norm() / ref.norm()).item()
-    if backward and N < K:  # an fc2 shape: its input is SwiGLU(fc1 output)
+    if N < K:  # an fc2 shape: its input is SwiGLU(fc1 output)
         from megatron_jetrl.precision.linear import FP8SwigluLinearFunction
         from megatron_jetrl.precision.quant import quantize_swiglu, swiglu
 
@@ -69,20 +95,19 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe, backward: bool) -> di
         row["fp8_fused_swiglu_fc2_fwd_ms"] = time_ms(
             lambda: FP8SwigluLinearFunction.apply(y1, w, qw, sw, None, None, recipe, backend))
         row["swiglu_fc2_fwd_speedup"] = row["bf16_swiglu_fc2_fwd_ms"] / row["fp8_fused_swiglu_fc2_fwd_ms"]
-    if backward:
-        xg = x.clone().requires_grad_()
-        wg = w.clone().requires_grad_()
-        dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
 
-        def bf16_step():
-            F.linear(xg, wg).backward(dy)
+    def bf16_step():
+        F.linear(xg, wg).backward(dy)
 
-        def fp8_step():
-            FP8LinearFunction.apply(xg, wg, qw, sw, None, None, recipe, backend).backward(dy)
+    def fp8_step():
+        FP8LinearFunction.apply(xg, wg, qw, sw, None, None, recipe, backend).backward(dy)
 
-        row["bf16_fwdbwd_ms"] = time_ms(bf16_step)
-        row["fp8_fwdbwd_ms"] = time_ms(fp8_step)
-        row["fwdbwd_speedup"] = row["bf16_fwdbwd_ms"] / row["fp8_fwdbwd_ms"]
+    row["bf16_fwdbwd_ms"] = time_ms(bf16_step)
+    row["fp8_fwdbwd_ms"] = time_ms(fp8_step)
+    row["fwdbwd_speedup"] = row["bf16_fwdbwd_ms"] / row["fp8_fwdbwd_ms"]
     return row
 
 
@@ -104,6 +129,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="jetrl bench linear", description=__doc__)
     ap.add_argument("--tokens", type=int, default=16384, help="M for the training shapes")
     ap.add_argument("--decode", action="store_true", help="decode sizes M in 1..1024 instead")
+    ap.add_argument("--rotate-mb", type=float, default=200.0,
+                    help="--decode: FP8 weight bytes cycled per timed call so the weights are read from HBM, not L2")
     ap.add_argument("--scale-fmt", choices=["fp32", "ue8m0"], default="fp32")
     ap.add_argument("--profile", action="store_true",
                     help="also print the kernels of the BF16 and FP8 forward per shape (where FP8's time goes)")
@@ -116,10 +143,10 @@ def main(argv=None) -> list[dict]:
     if args.decode:
         for N, K in DECODE_SHAPES:
             for M in DECODE_M:
-                rows.append(bench_shape(M, N, K, recipe, backward=False))
+                rows.append(bench_decode_shape(M, N, K, recipe, args.rotate_mb))
     else:
         for N, K in TRAIN_SHAPES:
-            rows.append(bench_shape(args.tokens, N, K, recipe, backward=True))
+            rows.append(bench_shape(args.tokens, N, K, recipe))
     if args.profile:
         for N, K in (DECODE_SHAPES if args.decode else TRAIN_SHAPES):
             profile_forward(256 if args.decode else args.tokens, N, K, recipe)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.triton_quant import _quantize_store_groups
 
 
@@ -139,11 +140,12 @@ class JetNorm:
 def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr, N, stride_h, stride_d,
                     stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps, stride_dsplit,
                     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-                    G: tl.constexpr, NG: tl.constexpr, SPLIT: tl.constexpr):
+                    G: tl.constexpr, NG: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """One row, held as an [NG, G] tile (element ``i * G + j``): optional residual add, RMSNorm
     (fp32, one rounding), optional 1x128 quantization (one scale per tile row: the quantizer's
     groups, no reshape of the row). Every variant reduces the sum of squares in the same order, so
     the norm's bytes do not depend on the add or the quantization being fused."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = offs < N
@@ -190,7 +192,8 @@ def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
             1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12,
             d2.stride(0) if splits > 1 else 0, HAS_DELTA=d2 is not None, SPLIT=splits,
             QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, NG=ng,
-            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)  # no FMA: torch's roundings
+            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,  # no FMA: torch's roundings
+            **pdl_kwargs(h2.device))
     return hout, y, ((q, s) if recipe is not None else None), rstd
 
 

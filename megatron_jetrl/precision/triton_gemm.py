@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
 
@@ -36,7 +37,8 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
                     inv_max, fmax, eps, out_ptr, lock_ptr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
                     PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -100,8 +102,9 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
 
 
 @triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = sum over the split-K partials in a fixed order (deterministic, unlike atomics)."""
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -110,12 +113,14 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch-plan switches (module constants so the tuner and tests can flip them; measured on the H200,
-# docs/benchmarks.md): SWAP_AB computes y^T = W x^T per tile, so the weight rows, not the few tokens, fill
-# the tensor core's wide side; USE_TMA streams the FP8 tiles (weight, pre-quantized x) with the bulk tensor
-# copy engine instead of per-thread loads.
-SWAP_AB = os.environ.get("JETRL_SMALL_M_SWAP", "0") == "1"
-USE_TMA = os.environ.get("JETRL_SMALL_M_TMA", "0") == "1"
+# Launch-plan switches (measured on the H200 with the weights cycled past L2, docs/benchmarks.md;
+# ``small_m_linear``'s ``swap``/``tma`` arguments override them per call). The swapped layout computes
+# y^T = W x^T per tile, so the weight rows, not the few tokens, fill the tensor core's wide side: 1-4%
+# faster at M=16, slower from M=64 (2x at M=256), so it is used up to SWAP_MAX_M rows. TMA streams the
+# FP8 tiles (weight, pre-quantized x) with the bulk tensor copy engine instead of per-thread loads: 2-13%
+# faster at M=64 and 256, never slower. JETRL_SMALL_M_SWAP=0/1 and JETRL_SMALL_M_TMA=0 override.
+SWAP_MAX_M = {"0": 0, "1": 1 << 30}.get(os.environ.get("JETRL_SMALL_M_SWAP", ""), 16)
+USE_TMA = os.environ.get("JETRL_SMALL_M_TMA", "1") == "1"
 
 
 def _tma_ok(q: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -220,7 +225,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
         q = torch.empty((M, K), dtype=recipe.dtype, device=x.device) if return_quantized else y
         s = torch.empty((M, triton.cdiv(K, G)), dtype=torch.float32, device=x.device) if return_quantized else y
     if M:
-        swap = SWAP_AB if swap is None else swap
+        swap = M <= SWAP_MAX_M if swap is None else swap
         block_m, block_n, split, per = plan(M, N, K, G, x.device, block_n, split_k, block_m=block_m, swap=swap)
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
@@ -235,7 +240,8 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                               recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
                               BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
                               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
-                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps)
+                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps,
+                              **pdl_kwargs(x.device))
         if split > 1 and locks is None:
             if return_partials:
                 return part, split
@@ -250,5 +256,5 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out [M, N] = sum_s part[s]`` in split order (fp32), written in ``out``'s dtype."""
     split, MN = part.shape[0], part[0].numel()
     block = 1024
-    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block)
+    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block, **pdl_kwargs(out.device))
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 
@@ -58,7 +59,8 @@ def _act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: boo
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      UE8M0: tl.constexpr):
+                      UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -84,7 +86,8 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
         grid = (triton.cdiv(M, block_m), ng)
         _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
-                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", num_warps=4)
+                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", num_warps=4,
+                                **pdl_kwargs(x.device))
     if scale_col_major:
         return q.view(*lead, K), s
     return q.view(*lead, K), s.view(*lead, ng)
@@ -165,9 +168,10 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Te
 @triton.jit
 def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
                          inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr = False):
     """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
     torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -211,7 +215,7 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
             y2, q, s, M, F, y2.stride(0), q.stride(0), s.stride(0), s.stride(1), 1.0 / recipe.fp8_max,
             recipe.fp8_max, recipe.amax_eps, G=G, BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0",
             ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
-            num_warps=4)
+            num_warps=4, **pdl_kwargs(y.device))
     if scale_col_major:
         return q.view(*lead, F), s
     return q.view(*lead, F), s.view(*lead, ng)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
+
 
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron's ``cos_``/``sin_`` for RoPE rows ``freqs [S, 1, 1, rot]`` -> two ``[S, rot]`` tensors."""
@@ -56,7 +58,9 @@ def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, idx_ptr, B, H,
                     sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, sc_b, sc_g, sc_l,
-                    ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                    ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     s = tl.program_id(0)
     bi = tl.program_id(1)
     h = tl.program_id(2)  # q heads first, then the key/value groups
@@ -91,4 +95,5 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
                           k_cache.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_D=triton.next_power_of_2(D),
-                          num_warps=1, enable_fp_fusion=False)  # no FMA: one rounding per op, as torch
+                          num_warps=1, enable_fp_fusion=False,  # no FMA: one rounding per op, as torch
+                          **pdl_kwargs(q.device))
