@@ -36,22 +36,43 @@ def weight_bytes(model) -> int:
     return total
 
 
-def profile_steps(dec, steps: int) -> dict:
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_steps(dec, steps: int, advance: int = 0) -> dict:
     """Kernel time per decode step by kernel (the same decoder stepped eagerly under the profiler
-    after a prefill; kernel durations are the graph's, the host gaps are not)."""
+    after a prefill; kernel durations are the graph's, the host gaps are not), first right after the
+    prefill and then, with ``advance``, that many (graph) steps later, where attention reads the
+    rollout's mean number of keys; the graph's wall time per step there, for the gap between the two."""
     from megatron_jetrl.bench.timing import kernel_table
 
-    use, dec.use_graphs = dec.use_graphs, False
     ids = torch.zeros(dec.B, dtype=torch.long, device=dec.device)
-    try:
-        dec._host_pos = int(dec.pos)
-        steps = min(steps, dec.L - dec._host_pos - 2)  # the KV cache holds L positions
-        for _ in range(2):
+    dec._host_pos = int(dec.pos)
+    out = {}
+    for tag, skip in (("", 0), ("_at_mean", advance)):
+        if tag and not skip:
+            break
+        for _ in range(min(skip, dec.L - dec._host_pos - steps - 8)):  # graph steps to the mean length
             dec.step(ids)
-        out = kernel_table(lambda: dec.step(ids), steps, "decode step")
-    finally:
-        dec.use_graphs = use
-    return {"kernel_ms_per_step": out["ms_per_call"], "top": out["top"]}
+        if tag:  # the graph-replayed step's wall time at this length
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.step(ids)
+            _sync()
+            out["graph_step_ms" + tag] = (time.perf_counter() - t0) / steps * 1e3
+        use, dec.use_graphs = dec.use_graphs, False
+        try:
+            n = min(steps, dec.L - dec._host_pos - 2)  # the KV cache holds L positions
+            for _ in range(2):
+                dec.step(ids)
+            k = kernel_table(lambda: dec.step(ids), n, f"decode step at {dec._host_pos} keys")
+        finally:
+            dec.use_graphs = use
+        out["kernel_ms_per_step" + tag], out["top" + tag] = k["ms_per_call"], k["top"]
+    return out
 
 
 def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0) -> dict:
@@ -97,7 +118,14 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
             torch.cuda.synchronize()
         prefill = time.perf_counter() - t1 if dec is not None else float("nan")
         wbytes = weight_bytes(model)
-        kernels = profile_steps(dec, profile) if profile and dec is not None else {}
+        if profile and dec is not None:
+            from megatron_jetrl.bench.timing import kernel_table
+
+            pre = kernel_table(lambda: dec.prefill(tokens, key_pad), 1, "prefill")
+            kernels = profile_steps(dec, profile, advance=max(0, new_tokens // 2 - 2 * profile - 4))
+            kernels["prefill_kernel_ms"] = pre["ms_per_call"]
+        else:
+            kernels = {}
     layers = cfg.model.num_layers
     kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * (2 if cfg.precision.params_dtype == "bf16" else 4)
     mean_len = prompt_len + steps / 2
@@ -111,9 +139,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "kv_GB_read_per_step_mean": batch * mean_len * kv_per_tok / 1e9,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "small_m_max": state.small_m_max, "sample_tokens": sum(len(x.output_ids) for x in gens)}
-    if kernels:
-        out["kernel_ms_per_step"] = kernels["kernel_ms_per_step"]
-        out["top_kernels"] = kernels["top"]
+    for k, v in kernels.items():
+        out[k if k.startswith(("kernel_ms", "graph_step", "prefill_kernel")) else k.replace("top", "top_kernels")] = v
     del engine, model, dec
     if cuda:
         torch.cuda.empty_cache()
@@ -141,7 +168,7 @@ def main(argv=None) -> list[dict]:
         for mode in args.modes.split(","):
             cfg = load_config(_preset_path(args.preset), [*args.overrides, f"precision.mode={mode}"])
             rows.append(run_mode(cfg, batch, args.prompt_len, args.new_tokens, args.bandwidth, args.profile))
-            print({k: v for k, v in rows[-1].items() if k != "top_kernels"}, flush=True)
+            print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")
@@ -151,7 +178,9 @@ def main(argv=None) -> list[dict]:
         shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
     cols = ["mode", "batch", "new_tokens", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
-            "capture_s_first_rollout", "peak_GiB", "small_m_max"] + (["kernel_ms_per_step"] if all("kernel_ms_per_step" in r for r in rows) else [])
+            "capture_s_first_rollout", "peak_GiB", "small_m_max"]
+    cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
+             if all(c in r for r in rows)]
     print_table(shown, cols)
     dump_json(args.json, rows)
     return rows
