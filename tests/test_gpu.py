@@ -464,3 +464,25 @@ def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single)
                 splits = [layer.self_attention.linear_proj.deferred_splits for layer in dec.layers]
     assert max(splits) > 1, splits
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+
+
+def test_fused_sampler_draws_softmax_and_logprobs():
+    """The rollout's one-kernel sampler on the GPU: frequencies of softmax(logits / T) over 200k
+    draws, log_softmax's logprobs at Llama-3's vocabulary (bf16 logits, batch 64), reproducible per
+    seed; and the engine uses it (CUDA, plain temperature) unless JETRL_FUSED_SAMPLE=0."""
+    from megatron_jetrl.rollout.base import SamplingParams, fused_sampling
+    from megatron_jetrl.rollout.triton_sample import fused_sample
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(12, device="cuda", generator=g) * 2
+    B, T = 200_000, 0.8
+    ids, lp = fused_sample(logits[None].expand(B, 12).contiguous(), T, 99)
+    p = torch.softmax(logits / T, -1).double()
+    freq = torch.bincount(ids, minlength=12).double() / B
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / B).sqrt() + 2e-4).all(), (freq, p)
+    x = (torch.randn(64, 128256, device="cuda", generator=g) * 4).bfloat16()
+    ids, lp = fused_sample(x, 1.0, 7)
+    ref = torch.log_softmax(x.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
+    assert (lp - ref).abs().max().item() < 2e-5
+    assert torch.equal(fused_sample(x, 1.0, 7)[0], ids) and not torch.equal(fused_sample(x, 1.0, 8)[0], ids)
+    assert fused_sampling(x, SamplingParams(temperature=1.0)) and not fused_sampling(x, SamplingParams(top_p=0.9))

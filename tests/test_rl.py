@@ -264,3 +264,35 @@ def test_static_decoder_qkv_in_rollout_layout_equals_megatron_split(model_type, 
         ref = attn.get_query_key_value_tensors(x, None)
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_fused_sampler_under_the_interpreter():
+    """The rollout's one-kernel sampler (CUDA in production) run by Triton's CPU interpreter: token
+    frequencies follow softmax(logits / T) (within 4 standard errors per token), the logprobs are
+    log_softmax's at the drawn ids, a seed fixes the draw and another seed changes it; bf16 logits of
+    a vocabulary wider than one block (several sweeps per row, masked tail) give log_softmax's
+    logprobs too."""
+    code = r'''
+import torch
+from megatron_jetrl.rollout.triton_sample import fused_sample
+g = torch.Generator().manual_seed(0)
+V, B, T = 10, 1200, 0.7
+logits = torch.randn(V, generator=g) * 2
+x = logits[None].expand(B, V).contiguous()
+ids, lp = fused_sample(x, T, 123)
+p = torch.softmax(logits / T, -1)
+freq = torch.bincount(ids, minlength=V).double() / B
+tol = 4 * (p * (1 - p) / B).sqrt() + 1e-3
+assert ((freq - p).abs() <= tol).all(), (freq, p)
+ref = torch.log_softmax(x / T, -1).gather(-1, ids[:, None]).squeeze(-1)
+assert (lp - ref).abs().max() < 1e-5
+assert torch.equal(fused_sample(x[:100], T, 123)[0], ids[:100]) and not torch.equal(fused_sample(x[:100], T, 124)[0], ids[:100])
+y = (torch.randn(4, 9000, generator=g) * 3).bfloat16()
+i, l = fused_sample(y, 1.3, 5)
+assert ((0 <= i) & (i < 9000)).all()
+assert (l - torch.log_softmax(y.float() / 1.3, -1).gather(-1, i[:, None]).squeeze(-1)).abs().max() < 1e-5
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -39,10 +39,25 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None: ...
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_sampling(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether ``sample_next`` takes the one-kernel Triton sampler (``rollout/triton_sample.py``):
+    CUDA, plain temperature sampling (no top-k/top-p), unless ``JETRL_FUSED_SAMPLE=0``."""
+    import os
+
+    return (logits.is_cuda and params.temperature > 0 and not (params.top_k and params.top_k < logits.shape[-1])
+            and params.top_p >= 1.0 and os.environ.get("JETRL_FUSED_SAMPLE", "1") != "0")
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V]; returns (ids [B], logprobs [B]). All on the
-    logits' device, no host sync. Greedy when temperature == 0."""
+    logits' device, no host sync. Greedy when temperature == 0. With a ``seed`` (a new one per
+    step) and ``fused_sampling``, one Triton kernel draws from the same distribution (Gumbel-max on
+    a Philox stream fixed by the seed) instead of ~12 eager kernels with ``multinomial``."""
+    if seed is not None and fused_sampling(logits, params):
+        from megatron_jetrl.rollout.triton_sample import fused_sample
+
+        return fused_sample(logits, params.temperature, seed)
     logits = logits.float()
     if params.temperature == 0:
         ids = logits.argmax(-1)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megatron_jetrl.rollout.base import Generation, SamplingParams, sample_next
+from megatron_jetrl.rollout.base import Generation, SamplingParams, fused_sampling, sample_next
 from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
 
@@ -139,8 +139,11 @@ class LocalEngine:
         out_ids, out_lp = [], []
         done = torch.zeros(B, dtype=torch.bool, device=logits.device)
         stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
+        # the fused sampler's Philox stream: one seed per rollout from the engine's generator, + step
+        seed = (int(torch.randint(0, 2**30, (1,), generator=self.generator, device=self.generator.device))
+                if fused_sampling(logits, params) else None)
         for t in range(params.max_new_tokens):
-            ids, lp = sample_next(logits, params, self.generator)
+            ids, lp = sample_next(logits, params, self.generator, None if seed is None else seed + 7919 * t)
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
             out_ids.append(ids)
             out_lp.append(lp)
