@@ -266,6 +266,30 @@ def test_static_decoder_qkv_in_rollout_layout_equals_megatron_split(model_type, 
         assert a.shape == b.shape and torch.equal(a, b)
 
 
+def test_static_decoder_prefill_chunks(tmp_path, megatron_single):
+    """Prefill in row chunks (bounded by the fp32 score bytes and the tokens per chunk, from the prompt
+    length, not the decoder's max length) gives the logits and KV cache of one chunk, jet and bf16."""
+    from megatron_jetrl.rollout.decode import StaticDecoder
+
+    make_hf_model("qwen3", str(tmp_path), seed=3)
+    for mode in ("bf16", "jet"):
+        _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"])
+        dec = StaticDecoder(model, 5, 64, use_graphs=False)
+        assert dec.prefill_rows(12) == min((2 << 30) // (4 * dec.heads * 12 * 12), 16384 // 12)  # one chunk here
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(3, 384, (5, 12), generator=g)
+        key_pad = torch.zeros(5, 12, dtype=torch.bool)
+        key_pad[1, :4] = key_pad[3, :7] = True
+        with torch.no_grad(), state.rollout_precision():
+            whole = dec.prefill(tokens, key_pad).clone()
+            kv = (dec.k.clone(), dec.v.clone())
+            dec.prefill_tokens = 24  # 2 rows of 12 tokens per chunk: chunks of 2, 2, 1 rows
+            assert dec.prefill_rows(12) == 2
+            chunked = dec.prefill(tokens, key_pad)
+        assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-5), mode
+        assert torch.allclose(dec.k, kv[0], atol=1e-6) and torch.allclose(dec.v, kv[1], atol=1e-6), mode
+
+
 def test_fused_sampler_under_the_interpreter():
     """The rollout's one-kernel sampler (CUDA in production) run by Triton's CPU interpreter: token
     frequencies follow softmax(logits / T) (within 4 standard errors per token), the logprobs are

@@ -21,7 +21,7 @@ its own KV cache with static shapes:
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
-Prefill runs the same code eagerly (in batch chunks that bound the score tensor). Sampling stays
+Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations). Sampling stays
 outside the graph (eager, on the GPU, no host sync). Graphs are captured on first use of a bucket
 and reused while the weight storage is unchanged (the FP8 cache refreshes in place; see
 ``fingerprint``). Dense models only: MoE routing is data dependent and runs eagerly.
@@ -67,7 +67,7 @@ class StaticDecoder:
     """Prefill + graph-captured decode steps for a batch of ``batch`` rows up to ``max_len`` tokens."""
 
     def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 256,
-                 use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30):
+                 use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30, prefill_tokens: int = 16384):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -115,7 +115,15 @@ class StaticDecoder:
         self.fp = None
         self.capture_s = 0.0
         self._host_pos = 0  # the host's copy of ``pos`` (picks the bucket without a sync)
-        self.prefill_rows = max(1, prefill_score_bytes // max(1, 4 * self.heads * max_len * max_len))
+        self.prefill_score_bytes, self.prefill_tokens = prefill_score_bytes, prefill_tokens
+
+    def prefill_rows(self, P: int) -> int:
+        """Rows per prefill chunk for prompts of ``P`` tokens: the fp32 attention scores of a chunk
+        ([rows, heads, P, P]) within ``prefill_score_bytes`` and its tokens within ``prefill_tokens``
+        (bounds the MLP activations). Few large chunks matter for speed: each chunk runs every linear
+        once, and an eager FP8 linear costs ~0.2 ms of host time (jet's prefill of 64 x 128 tokens
+        was host-bound in 6 chunks of 12 rows, sized by max_len^2: docs/benchmarks.md)."""
+        return max(1, min(self.prefill_score_bytes // max(1, 4 * self.heads * P * P), self.prefill_tokens // max(1, P)))
 
     # ---- model pieces -------------------------------------------------------------------------
     def _mask_bias(self, rows: slice, idx: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
@@ -275,8 +283,9 @@ class StaticDecoder:
         self.key_ok[:, :P] = ~key_pad
         self.pos.fill_(0)
         outs = []
-        for r0 in range(0, B, self.prefill_rows):
-            rows = slice(r0, min(B, r0 + self.prefill_rows))
+        chunk = self.prefill_rows(P)
+        for r0 in range(0, B, chunk):
+            rows = slice(r0, min(B, r0 + chunk))
             outs.append(self._forward(tokens[rows], rows, self.pos, P, causal=True))
         self.pos.fill_(P)
         self._host_pos = P
