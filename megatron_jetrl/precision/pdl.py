@@ -9,6 +9,8 @@ and its writes are visible. Every PDL kernel waits before its first memory acces
 ordered whatever reads what (a kernel completes only after its own wait, hence after all earlier
 ones); kernels launched without the attribute (torch's, cuDNN's) are ordered as usual. Only the
 launch and ramp-up overlap, never data. The flag is read per launch, so tests can switch it.
+Measured on the H200 (docs/benchmarks.md): no faster (a graph-replayed 8B decode step spends only
+~0.25 ms between kernels), so it stays off; the GPU tests check it changes no byte of a rollout.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def _hopper(index: int) -> bool:
 def pdl_kwargs(device: torch.device) -> dict:
     """Launch keywords for a kernel that takes ``PDL: tl.constexpr`` and calls ``pdl_enter(PDL)``
     first: ``{}`` (plain launch) unless ``JETRL_PDL=1`` on a CUDA sm90+ device outside the interpreter."""
-    if (os.environ.get("JETRL_PDL", "0") != "1" or device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1"
+    if (os.environ.get("JETRL_PDL", "0") != "1" or device.type != "cuda" or gdc_wait is None
+            or os.environ.get("TRITON_INTERPRET") == "1"
             or not _hopper(device.index if device.index is not None else torch.cuda.current_device())):
         return {}
     return {"PDL": True, "launch_pdl": True}

@@ -6,9 +6,11 @@ quantizes its rows of x exactly as ``quant.quantize_act`` does (same amax, epsil
 saturating E4M3 cast as the Triton quantizer, so the same bytes and scales), multiplies with the
 FP8 weight tile on the tensor cores, and accumulates ``dot * x_scale[row] * w_scale[block]`` in
 fp32 (the per-128 promotion out of the tensor core's reduced-precision FP8 accumulator). At decode
-sizes the weight read dominates. x is quantized once beforehand from 9 rows up (``prequant``, or
-given by the op that produced it: ``xq``); below that, each program re-quantizes its few rows per N
-tile, which costs compute on a tiny tile instead of a kernel launch. K is split across programs
+sizes the weight read dominates: its FP8 tiles come through TMA tensor descriptors, and up to 16 rows
+each tile is computed as y^T = W x^T so the weight rows fill the tensor core's wide side. x is
+quantized once beforehand from 9 rows up (``prequant``, or given by the op that produced it: ``xq``);
+below that, each program re-quantizes its few rows per N tile, which costs compute on a tiny tile
+instead of a kernel launch. K is split across programs
 when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fixed split order
 (deterministic: same tokens on every run, unlike atomic adds) by the last program of each tile to
 finish (a per-tile counter, ``fused_sum``), or by a second kernel (the default: faster on the H200).
@@ -195,7 +197,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     of small-M kernel time vs 2.50 + 0.18 ms for GEMM + sum kernel, docs/benchmarks.md).
     ``return_partials``: returns ``(out, split)``; with split-K, ``out`` is the unsummed fp32 partials
     ``[split, M, N]`` for a consumer that sums them itself in split order (the decoder's residual add +
-    RMSNorm kernel: same bytes as the sum kernel, one launch less), else y and 1."""
+    RMSNorm kernel: same bytes as the sum kernel, one launch less), else y and 1. ``swap``: compute each
+    tile as y^T = W x^T (None: up to ``SWAP_MAX_M`` rows); ``tma``: load the FP8 weight and pre-quantized x
+    tiles through tensor descriptors (None: ``USE_TMA``, where the layouts allow it; otherwise plain loads)."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:

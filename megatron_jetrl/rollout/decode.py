@@ -21,8 +21,9 @@ its own KV cache with static shapes:
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
-Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations). Sampling stays
-outside the graph (eager, on the GPU, no host sync). Graphs are captured on first use of a bucket
+Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations).
+Sampling stays outside the graph (on the GPU, no host sync; one Triton kernel for temperature
+sampling, ``triton_sample.py``). Graphs are captured on first use of a bucket
 and reused while the weight storage is unchanged (the FP8 cache refreshes in place; see
 ``fingerprint``). Dense models only: MoE routing is data dependent and runs eagerly.
 """
@@ -67,7 +68,8 @@ class StaticDecoder:
     """Prefill + graph-captured decode steps for a batch of ``batch`` rows up to ``max_len`` tokens."""
 
     def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 256,
-                 use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30, prefill_tokens: int = 16384):
+                 use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
+                 prefill_tokens: int = 16384):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -123,7 +125,8 @@ class StaticDecoder:
         (bounds the MLP activations). Few large chunks matter for speed: each chunk runs every linear
         once, and an eager FP8 linear costs ~0.2 ms of host time (jet's prefill of 64 x 128 tokens
         was host-bound in 6 chunks of 12 rows, sized by max_len^2: docs/benchmarks.md)."""
-        return max(1, min(self.prefill_score_bytes // max(1, 4 * self.heads * P * P), self.prefill_tokens // max(1, P)))
+        by_scores = self.prefill_score_bytes // max(1, 4 * self.heads * P * P)
+        return max(1, min(by_scores, self.prefill_tokens // max(1, P)))
 
     # ---- model pieces -------------------------------------------------------------------------
     def _mask_bias(self, rows: slice, idx: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
