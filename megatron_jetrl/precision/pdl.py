@@ -9,8 +9,9 @@ and its writes are visible. Every PDL kernel waits before its first memory acces
 ordered whatever reads what (a kernel completes only after its own wait, hence after all earlier
 ones); kernels launched without the attribute (torch's, cuDNN's) are ordered as usual. Only the
 launch and ramp-up overlap, never data. The flag is read per launch, so tests can switch it.
-Measured on the H200 (docs/benchmarks.md): no faster (a graph-replayed 8B decode step spends only
-~0.25 ms between kernels), so it stays off; the GPU tests check it changes no byte of a rollout.
+Measured on the H200 (docs/benchmarks.md): no gain beyond run-to-run noise (a graph-replayed 8B decode
+step spends only ~0.25 ms between kernels), so it stays off; the GPU tests check it changes no byte of
+a rollout.
 """
 from __future__ import annotations
 
