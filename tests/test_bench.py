@@ -24,19 +24,19 @@ def test_bench_step_harness(tmp_path):
 
 def test_bench_rollout_harness(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "bench", "rollout", "--preset", "tiny", "--batch", "3,5",
-                          "--new-tokens", "40", "--prompt-len", "4", "--profile", "3", "--json", str(tmp_path / "rows.json")],
+                          "--new-tokens", "24", "--prompt-len", "4", "--profile", "2", "--json", str(tmp_path / "rows.json")],
                          env=dict(os.environ, PYTHONPATH=REPO), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.load(open(tmp_path / "rows.json"))
     assert [(r["mode"], r["batch"]) for r in rows] == [("bf16", 3), ("jet", 3), ("bf16", 5), ("jet", 5)]
     for r in rows:  # no stop tokens: every row runs to the end
-        assert r["new_tokens"] == 40 and r["sample_tokens"] == 40 * r["batch"] and not r["cuda_graphs"]
+        assert r["new_tokens"] == 24 and r["sample_tokens"] == 24 * r["batch"] and not r["cuda_graphs"]
         assert r["rollout_s"] > r["prefill_s"] > 0 and r["decode_step_ms"] > 0
     # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
     assert rows[1]["weight_GB"] < rows[0]["weight_GB"]
     assert "tokens/s vs bf16" in out.stdout
-    # --profile: the prefill and the decode step right after it and at the rollout's mean length (4 + 14 keys)
-    assert out.stdout.count("decode step at 6 keys") == 4 and out.stdout.count("decode step at 24 keys") == 4
+    # --profile: the prefill and the decode step right after it and at the rollout's mean length (4 + 12 keys)
+    assert out.stdout.count("decode step at 6 keys") == 4 and out.stdout.count("decode step at 16 keys") == 4
     assert out.stdout.count("prefill:") == 4
     assert all(r["kernel_ms_per_step"] > 0 and r["kernel_ms_per_step_at_mean"] > 0 and r["graph_step_ms_at_mean"] > 0
                and r["prefill_kernel_ms"] > 0 for r in rows)
