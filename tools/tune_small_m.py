@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.bench.linear import DECODE_SHAPES
-from megatron_jetrl.bench.timing import dump_json, print_table, time_graph_ms
-from megatron_jetrl.precision import triton_gemm
+from megatron_jetrl.bench.timing import dump_json, print_table, time_rotated_ms, weight_copies
 from megatron_jetrl.precision.gemm import block_gemm
 from megatron_jetrl.precision.quant import quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -34,15 +32,7 @@ HBM_TBPS = 4.2  # copy-bandwidth ceiling measured on the H200
 
 
 def _rotated(fn, copies: int):
-    """Per-call ms of ``fn(i)`` over ``copies`` weight copies in one graph (CPU, to check the script under
-    ``TRITON_INTERPRET=1``: one wall-clock pass)."""
-    if not torch.cuda.is_available():
-        import time
-
-        t0 = time.perf_counter()
-        [fn(i) for i in range(copies)]
-        return (time.perf_counter() - t0) * 1e3 / copies
-    return time_graph_ms(lambda: [fn(i) for i in range(copies)], rep=30) / copies
+    return time_rotated_ms(fn, copies, rep=30)
 
 
 def main(argv=None) -> list[dict]:
@@ -66,7 +56,7 @@ def main(argv=None) -> list[dict]:
     ints = lambda a: [int(v) for v in a.split(",")]  # noqa: E731
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")] if args.shapes else DECODE_SHAPES
     for (N, K), M in itertools.product(shapes, ints(args.m)):
-        copies = max(1, math.ceil(args.rotate_mb * 1e6 / (N * K)))
+        copies = weight_copies(N, K, args.rotate_mb)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         qs = [quantize_weight(w, recipe) for w in ws]

@@ -3,12 +3,12 @@ quantization share) and, with ``--decode``, at decode sizes, in one run on one G
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.timing import dump_json, kernel_table, print_table, time_graph_ms, time_ms
+from megatron_jetrl.bench.timing import (dump_json, kernel_table, print_table, time_ms, time_rotated_ms,
+                                         weight_copies)
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
@@ -31,13 +31,13 @@ def bench_decode_shape(M: int, N: int, K: int, recipe: FP8Recipe, rotate_mb: flo
 
     dev = torch.device("cuda")
     backend = resolve_backend("auto", dev)
-    copies = max(1, math.ceil(rotate_mb * 1e6 / (N * K)))
+    copies = weight_copies(N, K, rotate_mb)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     qs = [quantize_weight(w, recipe) for w in ws]
 
     def rotated(fn):
-        return time_graph_ms(lambda: [fn(i) for i in range(copies)]) / copies
+        return time_rotated_ms(fn, copies)
 
     row = {"M": M, "N": N, "K": K, "backend": backend, "weight_copies": copies}
     row["bf16_fwd_ms"] = rotated(lambda i: F.linear(x, ws[i]))

@@ -109,13 +109,11 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     if dec is not None:
         tokens, key_pad = engine.pad_rows(tokens, key_pad, dec.B)
     with torch.no_grad(), state.rollout_precision():
-        if cuda:
-            torch.cuda.synchronize()
+        _sync()
         t1 = time.perf_counter()
         if dec is not None:
             dec.prefill(tokens, key_pad)
-        if cuda:
-            torch.cuda.synchronize()
+        _sync()
         prefill = time.perf_counter() - t1 if dec is not None else float("nan")
         wbytes = weight_bytes(model)
         if profile and dec is not None:

@@ -2,6 +2,9 @@
 flushed by do_bench) and writing their rows as JSON."""
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 
@@ -20,6 +23,25 @@ def time_graph_ms(fn, rep: int = 50) -> float:
 
     with torch.no_grad():
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
+def weight_copies(N: int, K: int, rotate_mb: float) -> int:
+    """How many copies of an [N, K] FP8 weight add up to ``rotate_mb`` MB (at least one). Cycling through
+    them per timed call keeps the weights out of the 50 MB L2 between uses, as in a decode step, which
+    reads each layer's weights once."""
+    return max(1, math.ceil(rotate_mb * 1e6 / (N * K)))
+
+
+def time_rotated_ms(fn, copies: int, rep: int = 50) -> float:
+    """Per-call milliseconds of ``fn(i)`` for ``i`` over ``copies`` weight copies, all replayed from one
+    CUDA graph (``time_graph_ms``); without CUDA one wall-clock pass (to check a script under
+    ``TRITON_INTERPRET=1``)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for i in range(copies):
+            fn(i)
+        return (time.perf_counter() - t0) * 1e3 / copies
+    return time_graph_ms(lambda: [fn(i) for i in range(copies)], rep=rep) / copies
 
 
 def kernel_table(fn, reps: int, title: str, top: int = 12) -> dict:
