@@ -28,6 +28,8 @@ def _same(a, b):
 @pytest.mark.parametrize("shape", [(7, 300), (4096, 4096), (3000, 1000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_act_quant_bit_identical(shape, scale_fmt, dtype):
+    from megatron_jetrl.precision.triton_quant import quantize_act_triton
+
     recipe = FP8Recipe(scale_fmt=scale_fmt)
     x = _x(shape, dtype)
     q_t, s_t = quantize_act(x, recipe, use_triton=True)
@@ -35,6 +37,9 @@ def test_triton_act_quant_bit_identical(shape, scale_fmt, dtype):
     assert _same(q_t, q_r) and torch.equal(s_t, s_r)
     q_c, s_c = quantize_act(x, recipe, use_triton=True, scale_col_major=True)
     assert s_c.stride() == (1, shape[0]) and torch.equal(s_c, s_r) and _same(q_c, q_r)
+    for plan in ((4, 1, 4), (16, 4, 4), (32, 8, 8), (8, 2, 4, 1)):  # every launch plan: the same bytes
+        q_p, s_p = quantize_act_triton(x, recipe, scale_col_major=True, plan=plan)
+        assert torch.equal(s_p, s_r) and _same(q_p, q_r), plan
 
 
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
@@ -305,6 +310,44 @@ def test_rope_and_cache_kernel_equals_megatron_rope(S, b, H, G, D, rot, dtype):
     q_in = q.clone()
     rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
     assert _same(q_in, q_ref.contiguous()) and _same(kc, kc_ref) and _same(vc, vc_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("S,b,H,G,D,rot", [(4096, 1, 32, 8, 128, 128), (37, 3, 4, 2, 64, 32), (5, 2, 6, 6, 80, 80)])
+def test_training_rope_equals_megatron_eager_rope(S, b, H, G, D, rot, dtype, monkeypatch):
+    """The training RoPE (``models/rope.py``) gives the bytes of megatron-core's unfused RoPE forward and
+    of its eager autograd backward, on the strided q/k views of the fused QKV split; the model builder
+    routes megatron's ``apply_rotary_pos_emb`` to it (``apply_rope_fusion``) and ``JETRL_FUSED_ROPE=0``
+    keeps the eager ops."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_jetrl.config import ModelConfig, ParallelConfig
+    from megatron_jetrl.models import rope
+    from megatron_jetrl.models.builder import transformer_config
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, device="cuda", generator=g).to(dtype)
+    q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device="cuda").float() / rot))
+    freqs = torch.outer(torch.arange(S, device="cuda").float() + 3, inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :]
+    for t in (q, k):
+        dy = torch.randn(t.shape, device="cuda", generator=g).to(dtype)
+        x_ref = t.detach().clone().requires_grad_()
+        y_ref = rope_utils._apply_rotary_pos_emb_bshd(x_ref, freqs)
+        y_ref.backward(dy)
+        x = t.detach().requires_grad_()
+        y = rope.fused_rope(x, freqs)
+        y.backward(dy)
+        assert _same(y, y_ref.contiguous()) and _same(x.grad, x_ref.grad.contiguous())
+    cfg = transformer_config(ModelConfig(), ParallelConfig(), dtype)
+    assert cfg.apply_rope_fusion and rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
+    out = rope_utils.apply_rotary_pos_emb(k, freqs, cfg)
+    assert _same(out, rope_utils._apply_rotary_pos_emb_bshd(k, freqs).contiguous())
+    monkeypatch.setenv("JETRL_FUSED_ROPE", "0")
+    assert not transformer_config(ModelConfig(), ParallelConfig(), dtype).apply_rope_fusion
 
 
 @pytest.mark.parametrize("N", [4096, 128, 5120])

@@ -253,6 +253,16 @@ for fmt in ("fp32", "ue8m0"):
         assert y.shape == (M, N) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
         ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
         assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (fmt, M, N, K)
+    # the quantizer's launch plans (rows x groups per program, warps): the same bytes and scales for every
+    # plan, K not a multiple of the groups a program covers, rows not a multiple of its row tile
+    for M, K in ((37, 1000), (5, 640)):
+        x = torch.randn(M, K, generator=g) * 5
+        for col_major in (False, True):
+            q0, s0 = quantize_act_triton(x, r, col_major, plan=(4, 1, 4))
+            for plan in ((16, 4, 4), (8, 2, 8, 1), (32, 8, 4)):
+                q1, s1 = quantize_act_triton(x, r, col_major, plan=plan)
+                assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0), (M, K, plan)
+                assert s1.stride() == s0.stride()
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
@@ -516,6 +526,46 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
     rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
     assert torch.equal(q_in, q_ref), (S, (q_in - q_ref).abs().max())
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (S, b, H, G, D, rot)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_training_rope_kernel_under_the_interpreter():
+    """The training RoPE (``models/rope.py``, CUDA in production) under Triton's CPU interpreter, fp32:
+    its forward and its autograd backward equal megatron-core's unfused RoPE and that statement's eager
+    autograd gradient (same ops, same order), for the strided q/k views of the fused QKV split,
+    partial rotary and more heads than one program holds; ``fused_rope`` on CPU tensors is megatron's
+    eager function."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron_jetrl.models import rope
+g = torch.Generator().manual_seed(0)
+for S, b, H, G, D, rot in ((3, 2, 4, 2, 16, 16), (2, 1, 40, 8, 128, 64)):
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g)
+    q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(S).float() + 5, inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :]
+    for t in (q, k):
+        dy = torch.randn(t.shape, generator=g)
+        x_ref = t.detach().clone().requires_grad_()
+        y_ref = _apply_rotary_pos_emb_bshd(x_ref, freqs)
+        y_ref.backward(dy)
+        x = t.detach().requires_grad_()
+        y = rope.rope_kernel_apply(x, freqs)
+        y.backward(dy)
+        assert torch.equal(y, y_ref), (S, H, D, rot, (y - y_ref).abs().max())
+        assert torch.equal(x.grad, x_ref.grad), (S, H, D, rot, (x.grad - x_ref.grad).abs().max())
+    assert torch.equal(rope.fused_rope(q, freqs), _apply_rotary_pos_emb_bshd(q, freqs))  # CPU: eager
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)

@@ -7,8 +7,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.bench.timing import (dump_json, kernel_table, print_table, time_ms, time_rotated_ms,
-                                         weight_copies)
+from megatron_jetrl.bench.timing import (GpuSampler, dump_json, kernel_table, print_table, time_ms,
+                                         time_rotated_ms, time_sustained_ms, weight_copies)
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
@@ -58,7 +58,12 @@ def bench_decode_shape(M: int, N: int, K: int, recipe: FP8Recipe, rotate_mb: flo
 
 
 def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe) -> dict:
-    """One training-size linear: forward, forward+backward and the quantizers' share, eager (do_bench)."""
+    """One training-size linear: forward, forward+backward and the quantizers' share, eager, at the
+    GPU's sustained clocks (``time_sustained_ms``: heated, interleaved, L2 flushed per call). Also the
+    forward timed the old way right after an idle second (``*_burst_ms``: a short ``do_bench``, which
+    catches BF16 at its boost clock) and the mean SM clock and board power over 0.4 s of each forward."""
+    import time
+
     dev = torch.device("cuda")
     backend = resolve_backend("auto", dev)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -66,13 +71,25 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe) -> dict:
     qw, sw = quantize_weight(w, recipe)
     xq, xs = quantize_act(x, recipe, scale_col_major=True)
     row = {"M": M, "N": N, "K": K, "backend": backend}
-    row["bf16_fwd_ms"] = time_ms(lambda: F.linear(x, w))
-    row["act_quant_ms"] = time_ms(lambda: quantize_act(x, recipe, scale_col_major=True))
-    row["fp8_gemm_ms"] = time_ms(lambda: block_gemm(xq, xs, qw, sw, backend))
-    row["fp8_fwd_ms"] = time_ms(lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend))
+    fwd = {"bf16_fwd": lambda: F.linear(x, w),
+           "fp8_fwd": lambda: FP8LinearFunction.apply(x, w, qw, sw, None, None, recipe, backend),
+           "fp8_gemm": lambda: block_gemm(xq, xs, qw, sw, backend),
+           "act_quant": lambda: quantize_act(x, recipe, scale_col_major=True)}
+    for name in ("bf16_fwd", "fp8_fwd"):
+        torch.cuda.synchronize()
+        time.sleep(1.0)
+        row[f"{name}_burst_ms"] = time_ms(fwd[name])
+    for name, ms in time_sustained_ms(fwd).items():
+        row[f"{name}_ms"] = ms
+    for name in ("bf16_fwd", "fp8_fwd"):
+        with GpuSampler() as smp:
+            time_ms(fwd[name], warmup=50, rep=400)
+        row[f"{name}_sm_mhz"], row[f"{name}_watts"] = smp.sm_mhz, smp.watts
     row["weight_quant_ms"] = time_ms(lambda: quantize_weight(w, recipe))
     row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
+    row["fwd_speedup_burst"] = row["bf16_fwd_burst_ms"] / row["fp8_fwd_burst_ms"]
     row["act_quant_share_of_gemm"] = row["act_quant_ms"] / row["fp8_gemm_ms"]
+    row["act_quant_TBps"] = (M * K * 3 + M * (-(-K // recipe.group_size)) * 4) / row["act_quant_ms"] / 1e9
     flops = 2 * M * N * K
     row["fp8_fwd_tflops"] = flops / row["fp8_fwd_ms"] / 1e9
     row["bf16_fwd_tflops"] = flops / row["bf16_fwd_ms"] / 1e9
@@ -87,13 +104,16 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe) -> dict:
         from megatron_jetrl.precision.quant import quantize_swiglu, swiglu
 
         y1 = torch.randn(M, 2 * K, device=dev, dtype=torch.bfloat16)
-        row["swiglu_ms"] = time_ms(lambda: swiglu(y1))
-        row["fused_swiglu_quant_ms"] = time_ms(lambda: quantize_swiglu(y1, recipe, scale_col_major=True))
+        sw_ms = time_sustained_ms({
+            "swiglu": lambda: swiglu(y1),
+            "fused_swiglu_quant": lambda: quantize_swiglu(y1, recipe, scale_col_major=True),
+            "bf16_swiglu_fc2_fwd": lambda: F.linear(swiglu(y1), w),
+            "fp8_fused_swiglu_fc2_fwd": lambda: FP8SwigluLinearFunction.apply(y1, w, qw, sw, None, None, recipe,
+                                                                              backend)})
+        for name, ms in sw_ms.items():
+            row[f"{name}_ms"] = ms
         # the quantization's cost once fused: what the fused pass adds over the BF16 SwiGLU alone
         row["fused_act_quant_share_of_gemm"] = max(0.0, row["fused_swiglu_quant_ms"] - row["swiglu_ms"]) / row["fp8_gemm_ms"]
-        row["bf16_swiglu_fc2_fwd_ms"] = time_ms(lambda: F.linear(swiglu(y1), w))
-        row["fp8_fused_swiglu_fc2_fwd_ms"] = time_ms(
-            lambda: FP8SwigluLinearFunction.apply(y1, w, qw, sw, None, None, recipe, backend))
         row["swiglu_fc2_fwd_speedup"] = row["bf16_swiglu_fc2_fwd_ms"] / row["fp8_fused_swiglu_fc2_fwd_ms"]
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
@@ -105,8 +125,8 @@ def bench_shape(M: int, N: int, K: int, recipe: FP8Recipe) -> dict:
     def fp8_step():
         FP8LinearFunction.apply(xg, wg, qw, sw, None, None, recipe, backend).backward(dy)
 
-    row["bf16_fwdbwd_ms"] = time_ms(bf16_step)
-    row["fp8_fwdbwd_ms"] = time_ms(fp8_step)
+    for name, ms in time_sustained_ms({"bf16_fwdbwd": bf16_step, "fp8_fwdbwd": fp8_step}).items():
+        row[f"{name}_ms"] = ms
     row["fwdbwd_speedup"] = row["bf16_fwdbwd_ms"] / row["fp8_fwdbwd_ms"]
     return row
 
@@ -152,7 +172,9 @@ def main(argv=None) -> list[dict]:
             profile_forward(256 if args.decode else args.tokens, N, K, recipe)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
     cols = ["M", "N", "K", "bf16_fwd_ms", "fp8_fwd_ms", "fwd_speedup", "triton_small_m_ms", "triton_speedup",
-            "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "fp8_fwd_eager_ms", "triton_eager_ms", "act_quant_share_of_gemm",
+            "triton_weight_TBps", "bf16_weight_TBps", "triton_vs_emulated_rel", "fp8_fwd_eager_ms", "triton_eager_ms",
+            "bf16_fwd_burst_ms", "fp8_fwd_burst_ms", "fwd_speedup_burst", "bf16_fwd_sm_mhz", "fp8_fwd_sm_mhz",
+            "bf16_fwd_watts", "fp8_fwd_watts", "fp8_gemm_ms", "act_quant_ms", "act_quant_share_of_gemm", "act_quant_TBps",
             "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
             "weight_quant_ms", "swiglu_ms", "fused_swiglu_quant_ms", "fused_act_quant_share_of_gemm",
             "bf16_swiglu_fc2_fwd_ms", "fp8_fused_swiglu_fc2_fwd_ms", "swiglu_fc2_fwd_speedup", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]

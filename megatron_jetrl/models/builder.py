@@ -22,6 +22,14 @@ log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def fused_rope_available() -> bool:
+    """Whether megatron's fused-RoPE slot holds our Triton RoPE (``models.rope``: CUDA, no
+    TransformerEngine, ``JETRL_FUSED_ROPE`` not ``0``); then ``apply_rope_fusion`` routes to it."""
+    from megatron_jetrl.models import rope
+
+    return rope.install()
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, extra: dict | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,7 +55,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
         add_qkv_bias=model.qkv_bias, qk_layernorm=model.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=fused_rope_available(), gradient_accumulation_fusion=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,

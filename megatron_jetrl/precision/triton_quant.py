@@ -59,22 +59,57 @@ def _act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: boo
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+                      UE8M0: tl.constexpr, NG: tl.constexpr = 1, STREAM: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+    # One program: BLOCK_M rows x NG consecutive G-wide groups (one scale per row and group); STREAM
+    # (NG > 1 only) loads x with the evict-first cache hint.
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
-    g = tl.program_id(1)
+    g0 = tl.program_id(1) * NG
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = g * G + tl.arange(0, G)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
-                           eps, UE8M0)
+    if NG == 1:
+        cols = g0 * G + tl.arange(0, G)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _quantize_store_groups(x, rows, cols, mask, g0, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max,
+                               fmax, eps, UE8M0)
+    else:
+        cols = g0 * G + tl.arange(0, NG * G)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        if STREAM:  # read once: do not keep x in L2
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x3 = tl.reshape(x, (BLOCK_M, NG, G))
+        amax = tl.maximum(tl.max(tl.abs(x3), axis=2), eps)  # [BLOCK_M, NG], the same max per group
+        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+        q = tl.reshape(tl.clamp(x3 * mult[:, :, None], -fmax, fmax), (BLOCK_M, NG * G)).to(tl.float8e4nv)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+        gs = g0 + tl.arange(0, NG)
+        tl.store(s_ptr + rows[:, None] * stride_sm + gs[None, :] * stride_sg, scale_inv,
+                 mask=(rows[:, None] < M) & (gs[None, :] * G < K))
 
 
-def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_plan(M: int, K: int) -> tuple[int, int, int, int]:
+    """(rows per program, G-wide groups per program, warps, evict-first loads) of the 1xG quantizer,
+    from the H200 sweep ``tools/tune_act_quant.py`` (docs/benchmarks.md);
+    ``JETRL_ACT_QUANT_PLAN=rows,groups,warps[,stream]`` overrides."""
+    env = os.environ.get("JETRL_ACT_QUANT_PLAN")
+    if env:
+        v = [int(t) for t in env.split(",")]
+        return v[0], v[1], v[2], (v[3] if len(v) > 3 else 0)
+    # 8 rows x 8 groups (1024 columns), 8 warps: within 1% of the best plan at every training shape
+    # swept (M 4096-16384, K 4096-28672; 4.0-4.2 TB/s) and 3-6% faster than one group per program. Below
+    # 1024 rows (decode, short prefill) more, smaller programs: 4 rows x 1 group, 4 warps.
+    return (8, 8, 8, 0) if M >= 1024 else (4, 1, 4, 0)
+
+
+def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
+                        plan: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., K] -> (q [..., K], scale_inv [..., ceil(K/G)])``; ``scale_col_major`` lays the
-    scales out as [M, groups] with strides (1, M), the form ``scaled_mm`` wants."""
+    scales out as [M, groups] with strides (1, M), the form ``scaled_mm`` wants. ``plan`` = (rows,
+    groups, warps[, stream]) per program instead of ``act_quant_plan``'s (same bytes for every plan)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -82,11 +117,12 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     M, G = x2.shape[0], recipe.group_size
     q, s, ng = _act_outputs(M, K, recipe, x.device, scale_col_major)
     if M:
-        block_m = 16 if M >= 4096 else 4
-        grid = (triton.cdiv(M, block_m), ng)
+        block_m, groups, warps, *stream = plan or act_quant_plan(M, K)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(ng, groups))
         _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
-                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", num_warps=4,
+                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", NG=groups,
+                                STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps,
                                 **pdl_kwargs(x.device))
     if scale_col_major:
         return q.view(*lead, K), s
