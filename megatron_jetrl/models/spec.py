@@ -63,10 +63,34 @@ class SDPAttention(MegatronModule):
             causal = True
         elif sq != 1:  # chunked prefill against a cache: bottom-right aligned causal mask
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != heads)
+        with sdpa_backend(q.device):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+_SDPA_FIRST = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def sdpa_backend(device: torch.device):
+    """The SDPA kernel order of the model's core attention: torch's own choice (flash attention for
+    causal BF16 training) unless ``JETRL_SDPA`` names the backend to try first (``cudnn``, ``flash``,
+    ``efficient``; torch falls back to the others where it declines the inputs). Measured on the H200
+    by ``tools/attn_backends.py`` (docs/benchmarks.md)."""
+    import contextlib
+    import os
+
+    first = os.environ.get("JETRL_SDPA", "")
+    if not first or device.type != "cuda":
+        return contextlib.nullcontext()
+    if first not in _SDPA_FIRST:
+        raise ValueError(f"JETRL_SDPA={first!r}: use one of {', '.join(_SDPA_FIRST)} (or leave it unset)")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [getattr(SDPBackend, _SDPA_FIRST[first])] + [getattr(SDPBackend, n) for n in _SDPA_FIRST.values()
+                                                         if n != _SDPA_FIRST[first]] + [SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
 
 
 class JetMLP(MLP):
