@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|step|benchtrain|mismatch|train ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT the tune part's, RO_BATCH/RO_MODES/
-# RO_PROFILE/RO_TAG/RO_TIMEOUT the rollout part's.
+# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -28,7 +28,10 @@ fi
 if want rollout; then
   timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
     --modes ${RO_MODES:-bf16,jet} --new-tokens 1024 --prompt-len 128 --profile ${RO_PROFILE:-5} \
-    --json $OUT/bench_rollout${RO_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${RO_TAG}.txt
+    --json $OUT/bench_rollout${RO_TAG}.json $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${RO_TAG}.txt
+fi
+if want attn; then
+  timeout 120 python3 tools/attn_backends.py --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
 fi
 if want step; then
   timeout 240 python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps 2 --warmup 1 \
