@@ -659,3 +659,17 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_act_quant_plan_env_override(monkeypatch):
+    """``JETRL_ACT_QUANT_PLAN`` overrides the quantizer's launch plan; a malformed value is refused
+    with a one-line error naming the variable (not a Triton compile error later)."""
+    from megatron_jetrl.precision.triton_quant import act_quant_plan
+
+    assert act_quant_plan(16384, 4096) == (8, 8, 8, 0) and act_quant_plan(64, 4096) == (4, 1, 4, 0)
+    monkeypatch.setenv("JETRL_ACT_QUANT_PLAN", "16,4,8")
+    assert act_quant_plan(1, 128) == (16, 4, 8, 0)
+    for bad in ("8,3,8", "8,8", "a,b,c", "8,8,3"):
+        monkeypatch.setenv("JETRL_ACT_QUANT_PLAN", bad)
+        with pytest.raises(ValueError, match="JETRL_ACT_QUANT_PLAN"):
+            act_quant_plan(1, 128)

@@ -97,7 +97,14 @@ def act_quant_plan(M: int, K: int) -> tuple[int, int, int, int]:
     ``JETRL_ACT_QUANT_PLAN=rows,groups,warps[,stream]`` overrides."""
     env = os.environ.get("JETRL_ACT_QUANT_PLAN")
     if env:
-        v = [int(t) for t in env.split(",")]
+        try:
+            v = [int(t) for t in env.split(",")]
+        except ValueError:
+            v = []
+        pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+        if len(v) not in (3, 4) or not (pow2(v[0]) and pow2(v[1]) and v[2] in (1, 2, 4, 8, 16)):
+            raise ValueError(f"JETRL_ACT_QUANT_PLAN={env!r}: expected rows,groups,warps[,stream] with rows and groups "
+                             f"powers of two and warps in 1/2/4/8/16, e.g. 8,8,8")
         return v[0], v[1], v[2], (v[3] if len(v) > 3 else 0)
     # 8 rows x 8 groups (1024 columns), 8 warps: within 1% of the best plan at every training shape
     # swept (M 4096-16384, K 4096-28672; 4.0-4.2 TB/s) and 3-6% faster than one group per program. Below
