@@ -75,7 +75,9 @@ def _train(run_dir, *extra, wait=True):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return out
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its own session, so a test can kill the run with everything it started (torch's helper processes)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _rows(run_dir):
@@ -109,7 +111,7 @@ def test_killed_run_resumes_without_losing_steps(tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts / "step_5").exists():
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies at once, as when a node is lost
     proc.wait()
     assert (ckpts / "step_5").exists()
     killed_at = max(r["step"] for r in _rows(tmp_path))
