@@ -91,3 +91,52 @@ def test_unaligned_fp8_layout_is_refused(megatron_single):
     init_distributed(cfg.parallel)
     with pytest.raises(ValueError, match=r"linear_qkv splits into sub-matrices of \[256, 64, 64\]"):
         build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32)
+
+
+def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single, monkeypatch):
+    """With head_dim 128 the rollout permutation of the fused QKV moves whole 128-row blocks, so the
+    training GEMMs use the cached blocks reordered into Megatron's row order (no permutation of y, dy,
+    dW): those bytes and scales are exactly the 128x128 quantization of the Megatron-order weight, and
+    the forward and gradients equal the permuted path's (``JETRL_QKV_TRAIN_ORDER=0``). With head_dim
+    64 a block holds two heads and the permuted path stays."""
+    from megatron_jetrl.precision.linear import _whole_block_map
+
+    path = str(tmp_path / "hf")
+    make_hf_model("llama", path, seed=5, head_dim=128, num_attention_heads=4, num_key_value_heads=2)
+    tokens = torch.randint(0, 384, (2, 12))
+    pos = torch.arange(12).expand_as(tokens)
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JETRL_QKV_TRAIN_ORDER", flag)
+        _, model, state = build_loaded(path, ["precision.mode=jet"])
+        qkv = model.decoder.layers[-1].self_attention.linear_qkv  # its dy does not pass through a QKV dgrad
+        cache = qkv.fp8_cache
+        assert cache.train_blocks is not None
+        out = model(tokens, pos, None)
+        out.float().square().mean().backward()
+        results[flag] = (out.detach(), qkv.weight.grad.clone(), model.embedding.word_embeddings.weight.grad.clone())
+        assert (cache._train is not None) == (flag == "1")
+        if flag == "1":
+            tq, ts = cache._train
+            q_ref, s_ref = quantize_weight(qkv.weight.detach(), FP8Recipe())
+            assert torch.equal(tq.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(ts, s_ref)
+            assert torch.equal(tq.view(torch.uint8), cache.qweight.index_select(0, cache.inv_perm).view(torch.uint8))
+            with torch.no_grad():  # an optimizer step: the refresh re-quantizes and reorders in place
+                qkv.weight.add_(torch.randn_like(qkv.weight) * 0.05)
+            refresh_fp8_weights(model, state)
+            q_new, s_new = quantize_weight(qkv.weight.detach(), FP8Recipe())
+            assert cache._train[0].data_ptr() == tq.data_ptr() and torch.equal(tq.view(torch.uint8), q_new.view(torch.uint8))
+            assert torch.equal(ts, s_new)
+    (y1, gw1, ge1), (y0, gw0, ge0) = results["1"], results["0"]
+    assert torch.allclose(y1, y0, rtol=1e-6, atol=1e-6)
+    # the last layer's QKV wgrad: the same dy rows and x in either order
+    assert torch.allclose(gw1, gw0, rtol=1e-6, atol=1e-9)
+    # dgrad sums over the QKV rows in another order (fp32 rounding), which the FP8 gradient quantizers of the
+    # layers below can turn into a different E4M3 value here and there: close, not equal
+    assert ((ge1 - ge0).norm() / ge0.norm()).item() < 1e-2
+    # head_dim 64 (the default test models): 128-row blocks hold two heads -> no whole-block map
+    from megatron_jetrl.models.hf_mapping import qkv_permutation
+    perm, _ = qkv_permutation(8 * 64 + 2 * 4 * 64, 2, 64)
+    assert _whole_block_map(torch.argsort(perm), 128) is None
+    perm, _ = qkv_permutation(4 * 128 + 2 * 2 * 128, 2, 128)
+    assert _whole_block_map(torch.argsort(perm), 128) is not None

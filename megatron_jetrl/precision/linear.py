@@ -11,12 +11,16 @@ Fused weights are quantized per logical sub-matrix in the rollout's (HF/SGLang) 
 ``linear_qkv`` interleaves q, k, v per query group, SGLang's ``qkv_proj`` concatenates q, k, v;
 ``linear_fc1`` is [gate; up] on both sides. The cache holds the weight rows permuted into the
 rollout layout (``perm``) so its bytes and ``weight_scale_inv`` are exactly what the rollout
-engine loads; the GEMM output is permuted back to Megatron's column order.
+engine loads; the GEMM output is permuted back to Megatron's column order. Where the permutation
+moves whole 128-row blocks (head_dim a multiple of 128, as in Llama/Qwen 7B+), the training GEMMs
+instead use the same blocks reordered into Megatron's row order once per version
+(``FP8WeightCache.train_order``; ``JETRL_QKV_TRAIN_ORDER=0``: the permuted path).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Optional
 
@@ -74,6 +78,11 @@ class FP8WeightCache:
         self.qweight: Optional[torch.Tensor] = None
         self.scale_inv: Optional[torch.Tensor] = None
         self.refreshes = 0
+        self.stores = 0  # bumped whenever qweight/scale_inv get new bytes (refresh or install)
+        # the training row order as whole rollout blocks (None where the permutation splits blocks)
+        self.train_blocks = _whole_block_map(self.inv_perm, block_rows)
+        self._train: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._train_stores = -1
 
     def get(self, weight: torch.Tensor, state: FP8ModelState) -> tuple[torch.Tensor, torch.Tensor]:
         if self.version != state.version or self.qweight is None:
@@ -101,6 +110,29 @@ class FP8WeightCache:
         self._store([q.to(device) for q, _ in parts], [s.to(device, torch.float32) for _, s in parts])
         self.version = state.version
 
+    def train_order(self, weight: torch.Tensor, state: FP8ModelState) -> tuple[torch.Tensor, torch.Tensor]:
+        """This version's FP8 bytes and scales in the module's own (Megatron) row order, when the rollout
+        permutation moves whole 128-row blocks (a fused QKV with head_dim a multiple of 128): the same
+        blocks with the same scales, reordered once per version (made on first use, then kept current by
+        every refresh), so the training GEMMs need no row permutation of y, dy or dW."""
+        self.get(weight, state)
+        if self._train is None or self._train_stores != self.stores:
+            self._reorder()
+        return self._train
+
+    def _reorder(self) -> None:
+        q, s = self.qweight, self.scale_inv
+        nb, idx = self.train_blocks.numel(), self.train_blocks.to(q.device)
+        # reordered as bytes (uint8 view): index ops are not implemented for every fp8 dtype on every device
+        tq = q.view(torch.uint8).view(nb, self.block_rows, q.shape[1]).index_select(0, idx).view(q.shape)
+        ts = s.index_select(0, idx)
+        if self._train is not None and self._train[0].shape == tq.shape and self._train[0].device == tq.device:
+            self._train[0].view(torch.uint8).copy_(tq)
+            self._train[1].copy_(ts)
+        else:
+            self._train = (tq.view(q.dtype), ts)
+        self._train_stores = self.stores
+
     def _store(self, qs, ss) -> None:
         """New bytes go into the existing buffers when the shapes allow: the storage stays put, so
         a rollout's captured CUDA graphs (rollout/decode.py) keep reading the current weights."""
@@ -111,6 +143,9 @@ class FP8WeightCache:
             torch.cat(ss, 0, out=self.scale_inv)
         else:
             self.qweight, self.scale_inv = torch.cat(qs, 0), torch.cat(ss, 0)
+        self.stores += 1
+        if self._train is not None:  # training uses the Megatron-order copy: keep it current now
+            self._reorder()
 
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (fp8, scale_inv) of each logical sub-matrix (q, k, v / gate, up), rollout layout."""
@@ -263,6 +298,10 @@ class FP8LinearMixin:
             if inv_perm is not None:
                 out = out.index_select(-1, inv_perm.to(out.device))
             return out if bias is None else out + bias
+        if inv_perm is not None and cache.train_blocks is not None and os.environ.get("JETRL_QKV_TRAIN_ORDER", "1") != "0":
+            # the same FP8 blocks in Megatron's row order: no permutation of y, dy or dW
+            qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
+            inv_perm, perm = None, None
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend)
         return out if bias is None else out + bias
@@ -276,6 +315,18 @@ class FP8LinearMixin:
             return super()._forward_impl(input, weight, *args, **kwargs)
         return self._fp8_matmul(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
                                 kwargs.get("tp_group"))
+
+
+def _whole_block_map(inv_perm: Optional[torch.Tensor], block: int) -> Optional[torch.Tensor]:
+    """For ``train[j] = rollout[inv_perm[j]]``: the rollout block of each ``block``-row block of the
+    training order, if every training block is one whole rollout block; else None."""
+    if inv_perm is None or inv_perm.numel() % block:
+        return None
+    v = inv_perm.view(-1, block)
+    start = v[:, 0]
+    if bool((start % block).any()) or not torch.equal(v, start[:, None] + torch.arange(block, device=v.device)):
+        return None
+    return start // block
 
 
 def _layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor]]:
