@@ -40,16 +40,28 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     if world % mp:
         raise ValueError(f"world size {world} is not divisible by parallel.tensor_parallel x "
                          f"parallel.pipeline_parallel = {mp}; launch a multiple of {mp} processes")
-    if parallel_state.model_parallel_is_initialized():
+    sizes = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel)
+    if parallel_state.model_parallel_is_initialized() and _megatron_sizes() != sizes:
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_parallel,
-        pipeline_model_parallel_size=parallel.pipeline_parallel,
-        expert_model_parallel_size=parallel.expert_parallel,
-        expert_tensor_parallel_size=1,  # experts are split over EP only (name tables assume it)
-    )
+    # Called again in one process with the same layout (a second model, the tests), the existing groups
+    # are kept: re-creating them each time left every old gloo group's threads running (torch keeps a
+    # group until destroy_process_group(group); megatron's destroy_model_parallel only drops its references).
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_parallel,
+            pipeline_model_parallel_size=parallel.pipeline_parallel,
+            expert_model_parallel_size=parallel.expert_parallel,
+            expert_tensor_parallel_size=1,  # experts are split over EP only (name tables assume it)
+        )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _megatron_sizes() -> tuple[int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
 
 
 def is_rank0() -> bool:
