@@ -17,7 +17,8 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
 
 def time_sustained_ms(fns: dict, rounds: int = 3, rep: int = 100, heat_ms: int = 500) -> dict:
     """Median milliseconds per call of each ``fns[name]()`` at the GPU's sustained clocks: the GPU is
-    first kept busy for ``heat_ms`` (H200: a BF16 training-size GEMM runs ~15% faster in the first tens
+    first kept busy running ``fns``' first entry (``do_bench`` with ``heat_ms`` of warm-up and ``heat_ms`` of
+    timed calls, about ``2 * heat_ms`` in all; H200: a BF16 training-size GEMM runs ~15% faster in the first tens
     of milliseconds after idle than once the board sits at its power limit), then the functions are
     timed in interleaved rounds (order reversed every other round) so each sees the same thermal state;
     the result is the median over rounds of ``do_bench``'s median (L2 flushed per call)."""

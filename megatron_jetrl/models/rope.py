@@ -100,8 +100,7 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
             or freqs.shape[1] != 1 or freqs.shape[2] != 1 or rot % 2 or rot > t.shape[-1]
             or not t.is_cuda):
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-    cos, sin = rope_tables(freqs, t.dtype)
-    return _RoPE.apply(t, cos, sin)
+    return rope_kernel_apply(t, freqs)
 
 
 def rope_kernel_apply(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
