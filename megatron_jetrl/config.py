@@ -192,6 +192,11 @@ class PrecisionConfig:
     fuse_swiglu: bool = True
     """FP8 MLPs: run fc2's SwiGLU inside its activation quantizer (one pass over fc1's output, no
     BF16 activation written; same FP8 bytes as the unfused ops)."""
+    fuse_wgrad_accumulation: bool = True
+    """FP8 weight gradients: the wgrad GEMM adds its fp32 result straight into megatron's fp32
+    ``main_grad`` (cuBLASLt with beta = 1 on CUDA, ``precision/cublaslt.py``; TransformerEngine's and APEX's
+    gradient-accumulation fusion) instead of returning a BF16 gradient that the DDP hook adds in a second
+    pass. Falls back to the unfused path where cuBLASLt's block scaling is unavailable."""
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""

@@ -118,6 +118,7 @@ def setup(cfg: JetConfig) -> Run:
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)
     fp8_state.small_m_max = cfg.precision.small_m_max
     fp8_state.fuse_swiglu = cfg.precision.fuse_swiglu
+    fp8_state.fuse_wgrad_accumulation = cfg.precision.fuse_wgrad_accumulation
     if cfg.model.hf_path and not cfg.checkpoint.load_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps + cfg.algo.sft_warmup_steps

@@ -529,3 +529,55 @@ def test_fused_sampler_draws_softmax_and_logprobs():
     assert (lp - ref).abs().max().item() < 2e-5
     assert torch.equal(fused_sample(x, 1.0, 7)[0], ids) and not torch.equal(fused_sample(x, 1.0, 8)[0], ids)
     assert fused_sampling(x, SamplingParams(temperature=1.0)) and not fused_sampling(x, SamplingParams(top_p=0.9))
+
+
+@pytest.mark.parametrize("T,N,K", [(512, 768, 1024), (4096, 4096, 4096), (2048, 6144, 4096), (4096, 1024, 14336)])
+def test_cublaslt_wgrad_accumulates_into_fp32(T, N, K):
+    """precision/cublaslt.py: the FP8 wgrad GEMM with beta = 1 into an fp32 buffer adds the same product as
+    the emulated GEMM and as torch's scaled_mm (same operands, same scales), and accumulates on repeat."""
+    from megatron_jetrl.precision import cublaslt
+    from megatron_jetrl.precision.gemm import accumulate_supported, block_gemm_accumulate
+
+    assert cublaslt.available() == (True, "")
+    recipe = FP8Recipe()
+    x, dy = _x((T, K)), _x((T, N), seed=2)
+    xq, xs = quantize_act(x, recipe)
+    dytq, dyts = quantize_transposed(dy, recipe, False)
+    xtq, xts = quantize_transposed(xq, recipe, True, x_scale=xs)
+    ref = block_gemm(dytq, dyts, xtq, xts, "emulated", torch.float32)
+    torch_mm = block_gemm(dytq, dyts, xtq, xts, "scaled_mm", torch.float32)
+    base = torch.randn(N, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    out = base.clone()
+    assert accumulate_supported(dytq, xtq, out, "scaled_mm")
+    block_gemm_accumulate(dytq, dyts, xtq, xts, out, "scaled_mm")
+    got = out - base
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-3
+    assert ((got - torch_mm).norm() / torch_mm.norm()).item() < 1e-5
+    block_gemm_accumulate(dytq, dyts, xtq, xts, out, "scaled_mm")
+    assert (((out - base) - 2 * ref).norm() / (2 * ref).norm()).item() < 1e-3
+    assert not accumulate_supported(dytq[:, :300], xtq[:, :300], out, "scaled_mm")  # ragged tokens: unfused path
+
+
+def test_jet_wgrad_accumulation_into_main_grad_on_gpu(megatron_single):
+    """The fused wgrad accumulation in the model under megatron's DDP on the H200 (cuBLASLt, bf16 parameters):
+    the same protocol checks as the CPU test, and main_grads within BF16 rounding of the unfused path's
+    (which rounds each micro-batch's wgrad to BF16 before the hook adds it)."""
+    import os
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from tests.test_precision import REPO, ddp_main_grads_fused_vs_unfused
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.bfloat16,
+                               backend="auto")
+    assert state.backend == "scaled_mm"
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, 256), generator=g).cuda() for _ in range(2)]
+    grads, fused = ddp_main_grads_fused_vs_unfused(model, state, batches, torch.arange(256, device="cuda").expand(2, 256))
+    assert fused
+    for step in range(2):
+        for n, ref in grads[False, step].items():
+            got = grads[True, step][n]
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-2, n

@@ -673,3 +673,68 @@ def test_act_quant_plan_env_override(monkeypatch):
         monkeypatch.setenv("JETRL_ACT_QUANT_PLAN", bad)
         with pytest.raises(ValueError, match="JETRL_ACT_QUANT_PLAN"):
             act_quant_plan(1, 128)
+
+
+def ddp_main_grads_fused_vs_unfused(model, state, batches, pos, steps: int = 2) -> tuple[dict, list]:
+    """Wrap ``model`` in megatron's DDP (fp32 grad buffers, as the actor does) and run ``steps`` steps of
+    backward over ``batches`` (``zero_grad_buffer`` between steps) with precision.fuse_wgrad_accumulation
+    off, then on. Checks the fusion protocol on the way (flags set exactly when fused, one accumulate call per
+    fused weight and micro-batch, every placeholder gradient dropped by megatron's hook) and returns
+    ``{(fuse, step): {name: main_grad}}`` and the weights the fused path covers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_jetrl.precision import gemm
+    from megatron_jetrl.precision.linear import FP8LinearMixin
+
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+    fused_weights = [m.weight for m in model.modules() if isinstance(m, FP8LinearMixin) and m.fp8_cache.inv_perm is None]
+    calls, real = [], gemm.block_gemm_accumulate
+
+    def counting(*a, **k):
+        calls.append(a[4].data_ptr())
+        return real(*a, **k)
+
+    grads = {}
+    for fuse in (False, True):
+        state.fuse_wgrad_accumulation = fuse
+        gemm.block_gemm_accumulate = counting
+        try:
+            for step in range(steps):
+                ddp.zero_grad_buffer()
+                calls.clear()
+                for tokens in batches:
+                    ddp(tokens, pos, None, labels=tokens).float().mean().backward()
+                flags = [w.grad_added_to_main_grad for w in fused_weights]
+                assert all(flags) if fuse else not any(flags)
+                assert len(calls) == (len(batches) * len(fused_weights) if fuse else 0)
+                assert all(p.grad is None for p in model.parameters())  # placeholders dropped by the hook
+                grads[fuse, step] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        finally:
+            gemm.block_gemm_accumulate = real
+    return grads, fused_weights
+
+
+def test_fp8_wgrad_accumulates_into_megatron_main_grad(megatron_single):
+    """precision.fuse_wgrad_accumulation under megatron's real DDP (gloo, CPU): the FP8 wgrad adds its fp32
+    product straight into each weight's ``main_grad`` and marks ``grad_added_to_main_grad``, so megatron's
+    backward hook drops the placeholder gradient instead of adding it a second time. Over two micro-batches
+    and two steps every ``main_grad`` equals the unfused path's (fp32 parameters: the unfused wgrad is fp32
+    too, so the same numbers); the fused path ran for the FP8 linears whose rows need no permutation, and
+    the other parameters kept megatron's own path."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g) for _ in range(2)]
+    grads, fused = ddp_main_grads_fused_vs_unfused(model, state, batches, torch.arange(16).expand(2, 16))
+    assert fused
+    for step in range(2):
+        for n, ref in grads[False, step].items():
+            got = grads[True, step][n]
+            assert ref.abs().sum() > 0, n
+            assert torch.allclose(got, ref, rtol=1e-6, atol=1e-7), (n, (got - ref).abs().max())

@@ -3,7 +3,7 @@
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
-# set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT the tune part's, RO_BATCH/RO_MODES/
+# set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -22,8 +22,8 @@ if want decode; then
   timeout 90 python3 -m megatron_jetrl.cli bench linear --decode --json $OUT/bench_decode.json 2>&1 | tee $OUT/bench_decode.txt
 fi
 if want tune; then  # the small-M kernel's plans (layout, TMA, split-K, stages), weights cycled past L2
-  timeout ${TUNE_TIMEOUT:-330} python3 tools/tune_small_m.py --m ${TUNE_M:-16,64,256} --swap 0,1 --tma 0,1 --split 0,1,2,4,8 \
-    --stages ${TUNE_STAGES:-4} --json $OUT/tune_small_m${TUNE_TAG}.json 2>&1 | tee $OUT/tune_small_m${TUNE_TAG}.txt | tail -16
+  timeout ${TUNE_TIMEOUT:-330} python3 tools/tune_small_m.py ${TUNE_ARGS:---m ${TUNE_M:-16,64,256} --swap 0,1 --tma 0,1 \
+    --split 0,1,2,4,8 --stages ${TUNE_STAGES:-4}} --json $OUT/tune_small_m${TUNE_TAG}.json 2>&1 | tee $OUT/tune_small_m${TUNE_TAG}.txt | tail -16
 fi
 if want rollout; then
   timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
@@ -31,7 +31,7 @@ if want rollout; then
     --json $OUT/bench_rollout${RO_TAG}.json $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${RO_TAG}.txt
 fi
 if want attn; then
-  timeout 120 python3 tools/attn_backends.py --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
+  timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
 fi
 if want step; then
   timeout 240 python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps 2 --warmup 1 \

@@ -127,3 +127,30 @@ def block_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.T
     if backend == "emulated":
         return _emulated(a, a_s, b, b_s, out_dtype, group)
     raise BackendUnavailable(f"unknown FP8 GEMM backend {backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+def block_gemm_accumulate(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                          out: torch.Tensor, backend: str, group: int = 128) -> torch.Tensor:
+    """``out += (a * a_s) @ (b * b_s)^T`` in fp32, in place: the product is never rounded to ``out``'s
+    neighbours' BF16 (the weight-gradient GEMM into megatron's fp32 ``main_grad``). ``scaled_mm``: one
+    cuBLASLt call with beta = 1 (``precision/cublaslt.py``; check :func:`accumulate_supported` first);
+    ``emulated``: the dequantized fp32 product added."""
+    if backend == "scaled_mm":
+        from megatron_jetrl.precision.cublaslt import block_gemm_accumulate as lt_accumulate
+
+        return lt_accumulate(a, a_s, b, b_s, out)
+    if backend == "emulated":
+        return out.add_(_emulated(a, a_s, b, b_s, torch.float32, group))
+    raise BackendUnavailable(f"unknown FP8 GEMM backend {backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+def accumulate_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, backend: str) -> bool:
+    """Whether :func:`block_gemm_accumulate` takes these operands on this backend."""
+    if backend == "emulated":
+        return out.dtype == torch.float32 and out.shape == (a.shape[0], b.shape[0])
+    if backend == "scaled_mm":
+        from megatron_jetrl.precision import cublaslt
+
+        return cublaslt.available()[0] and cublaslt.shapes_ok(a, b, out)
+    return False
+

@@ -3,8 +3,9 @@
 Forward: x -> 1x128 FP8 (dynamic), weight -> cached 128x128 FP8, one block GEMM, BF16 out.
 Backward: dgrad in FP8 (dy in 1x128 groups along N, the *same* cached weight bytes through a
 transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along tokens, x re-blocked
-128x128 from the saved FP8 activations) or BF16 per recipe. Only the FP8 activations and their
-scales are saved for backward. Gradients between ops stay BF16; fp32 master weights stay in the
+128x128 from the saved FP8 activations) or BF16 per recipe; under megatron's DDP the FP8 wgrad adds its
+fp32 result straight into the weight's fp32 ``main_grad`` (gradient-accumulation fusion,
+``precision/cublaslt.py``). Only the FP8 activations and their scales are saved for backward. Gradients between ops stay BF16; fp32 master weights stay in the
 optimizer.
 
 Fused weights are quantized per logical sub-matrix in the rollout's (HF/SGLang) layout: Megatron's
@@ -51,6 +52,9 @@ class FP8ModelState:
         # the gated MLP hands fc2 the pre-activation and SwiGLU runs inside the FP8 activation
         # quantizer (precision.fuse_swiglu; models.spec.JetMLP)
         self.fuse_swiglu = True
+        # the FP8 wgrad GEMM accumulates into megatron's fp32 main_grad itself (cuBLASLt beta = 1) instead
+        # of returning a BF16 gradient for the DDP hook to add (precision.fuse_wgrad_accumulation)
+        self.fuse_wgrad_accumulation = True
 
     def bump(self) -> None:
         """Invalidate every cached FP8 weight (call after the weights changed)."""
@@ -161,7 +165,7 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in block FP8; see the module docstring for the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend):
+    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
         y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
@@ -169,13 +173,28 @@ class FP8LinearFunction(torch.autograd.Function):
             y = y.index_select(1, inv_perm)
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
+        ctx.weight = weight if fuse_accum else None
         return y.view(*lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
         dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def _main_grad_target(ctx, inv_perm, a, b):
+    """megatron's fp32 ``main_grad`` of the weight when the wgrad GEMM can accumulate into it directly
+    (the fusion is on, DDP gave the weight a ``main_grad`` and tracks ``grad_added_to_main_grad``, the rows
+    need no permutation, the backend takes the operands), else None."""
+    w = getattr(ctx, "weight", None)
+    mg = getattr(w, "main_grad", None)
+    if (mg is None or inv_perm is not None or not hasattr(w, "grad_added_to_main_grad")
+            or mg.dtype != torch.float32 or mg.shape != w.shape or not mg.is_contiguous()):
+        return None
+    from megatron_jetrl.precision.gemm import accumulate_supported
+
+    return mg if accumulate_supported(a, b, mg, ctx.backend) else None
 
 
 def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
@@ -193,6 +212,16 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
     if recipe.wgrad == "fp8":
         dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
         xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
+        main_grad = _main_grad_target(ctx, inv_perm, dyt_q, xt_q)
+        if main_grad is not None:  # megatron's gradient-accumulation-fusion protocol (as with TE / APEX)
+            from megatron_jetrl.precision.gemm import block_gemm_accumulate
+
+            block_gemm_accumulate(dyt_q, dyt_s, xt_q, xt_s, main_grad, backend, g)
+            w = ctx.weight
+            w.grad_added_to_main_grad = True  # the DDP hook drops the placeholder below instead of adding it
+            dw = (torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty)(
+                w.shape, dtype=ctx.wdtype, device=main_grad.device)
+            return dx.view(*dy.shape[:-1], dx.shape[-1]), dw
         # written in the weight's dtype by the GEMM's epilogue (one rounding of the fp32 accumulator,
         # as BF16 autograd returns it): no fp32 [N, K] round trip
         dw = block_gemm(dyt_q, dyt_s, xt_q, xt_s, backend, out_dtype=ctx.wdtype, group=g)
@@ -211,7 +240,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
     the FP8 linear's (dgrad, wgrad) followed by the SwiGLU derivative in fp32."""
 
     @staticmethod
-    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend):
+    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False):
         from megatron_jetrl.precision.quant import quantize_swiglu
 
         lead = y.shape[:-1]
@@ -221,6 +250,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
             out = out.index_select(1, inv_perm)
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
+        ctx.weight = weight if fuse_accum else None
         return out.view(*lead, out.shape[-1])
 
     @staticmethod
@@ -229,7 +259,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         from megatron_jetrl.precision.quant import swiglu_backward
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return swiglu_backward(y, da), dw, None, None, None, None, None, None
+        return swiglu_backward(y, da), dw, None, None, None, None, None, None, None
 
 
 class FP8LinearMixin:
@@ -303,7 +333,8 @@ class FP8LinearMixin:
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
-        out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend)
+        out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
+                       self.fp8_state.fuse_wgrad_accumulation)
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):
