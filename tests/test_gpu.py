@@ -559,15 +559,18 @@ def test_cublaslt_wgrad_accumulates_into_fp32(T, N, K):
 
 
 def test_jet_wgrad_accumulation_into_main_grad_on_gpu(megatron_single):
-    """The fused wgrad accumulation in the model under megatron's DDP on the H200 (cuBLASLt, bf16 parameters):
+    """The fused wgrad accumulation in the model under megatron's DDP on the H200 (cuBLASLt for the FP8
+    linears, torch.addmm with an fp32 output for megatron's BF16 LM head; bf16 parameters):
     the same protocol checks as the CPU test, and main_grads within BF16 rounding of the unfused path's
     (which rounds each micro-batch's wgrad to BF16 before the hook adds it)."""
     import os
 
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.models import grad_accum
     from tests.test_precision import REPO, ddp_main_grads_fused_vs_unfused
 
+    assert grad_accum.available("cuda") == (True, "")  # torch.addmm(bf16, bf16 -> fp32 out) for megatron's LM head
     cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
     torch.manual_seed(0)
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.bfloat16,

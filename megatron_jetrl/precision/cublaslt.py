@@ -102,9 +102,10 @@ class _Lt:
         self.check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "MatrixLayoutCreate")
         return lay
 
-    def plan(self, dev: int, M: int, N: int, Kc: int, out_type: int):
+    def plan(self, dev: int, M: int, N: int, Kc: int, out_type: int, a_s, b_s):
         """(desc, A, B, C/D layouts, algo) for out[M, N] (row-major) += a[M, Kc] b[N, Kc]^T; kept per shape
-        (descriptors are reused; only the scale pointers change per call, set under ``lock``)."""
+        (descriptors are reused; only the scale pointers change per call, set under ``lock``). The scale
+        pointers are set before the algorithm query, as torch's ``scaled_gemm`` does."""
         key = (dev, M, N, Kc, out_type)
         if key in self.plans:
             return self.plans[key]
@@ -115,6 +116,8 @@ class _Lt:
         self._set(desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
         self._set(desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_BLK128X128_32F))
         self._set(desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
+        self._set(desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(b_s.data_ptr()))
+        self._set(desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_s.data_ptr()))
         a_lay = self._layout(_R_8F_E4M3, Kc, N, Kc)   # b [N, Kc] row-major = column-major [Kc, N], used transposed
         b_lay = self._layout(_R_8F_E4M3, Kc, M, Kc)   # a [M, Kc] row-major = column-major [Kc, M]
         d_lay = self._layout(out_type, N, M, N)        # out [M, N] row-major = column-major [N, M]
@@ -138,7 +141,7 @@ class _Lt:
         N = b.shape[0]
         out_type = {torch.float32: _R_32F, torch.bfloat16: _R_16BF}[out.dtype]
         with self.lock:
-            desc, a_lay, b_lay, d_lay, res = self.plan(dev, M, N, Kc, out_type)
+            desc, a_lay, b_lay, d_lay, res = self.plan(dev, M, N, Kc, out_type, a_s, b_s)
             self._set(desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(b_s.data_ptr()))
             self._set(desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_s.data_ptr()))
             alpha, beta_ = ctypes.c_float(1.0), ctypes.c_float(beta)

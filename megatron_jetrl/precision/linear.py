@@ -183,6 +183,27 @@ class FP8LinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
+_ACCUMULATE_FAILED: list = []
+
+
+def _accumulate(a, a_s, b, b_s, main_grad, backend, group) -> bool:
+    """The fused wgrad accumulation; a cuBLASLt refusal (a cuBLAS build without these block-scaled kernels)
+    turns the fusion off for the process with one warning, and the caller takes the unfused path (nothing
+    was written: the refusal comes before the GEMM runs)."""
+    from megatron_jetrl.precision.gemm import block_gemm_accumulate
+
+    if _ACCUMULATE_FAILED:
+        return False
+    try:
+        block_gemm_accumulate(a, a_s, b, b_s, main_grad, backend, group)
+        return True
+    except RuntimeError as e:
+        _ACCUMULATE_FAILED.append(str(e))
+        log.warning("FP8 wgrad accumulation into main_grad is off for this run (%s); the wgrad is added by "
+                    "megatron's DDP hook instead (precision.fuse_wgrad_accumulation=false silences this)", e)
+        return False
+
+
 def _main_grad_target(ctx, inv_perm, a, b):
     """megatron's fp32 ``main_grad`` of the weight when the wgrad GEMM can accumulate into it directly
     (the fusion is on, DDP gave the weight a ``main_grad`` and tracks ``grad_added_to_main_grad``, the rows
@@ -213,10 +234,8 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
         dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
         xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
         main_grad = _main_grad_target(ctx, inv_perm, dyt_q, xt_q)
-        if main_grad is not None:  # megatron's gradient-accumulation-fusion protocol (as with TE / APEX)
-            from megatron_jetrl.precision.gemm import block_gemm_accumulate
-
-            block_gemm_accumulate(dyt_q, dyt_s, xt_q, xt_s, main_grad, backend, g)
+        if main_grad is not None and _accumulate(dyt_q, dyt_s, xt_q, xt_s, main_grad, backend, g):
+            # megatron's gradient-accumulation-fusion protocol (as with TransformerEngine / APEX)
             w = ctx.weight
             w.grad_added_to_main_grad = True  # the DDP hook drops the placeholder below instead of adding it
             dw = (torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty)(

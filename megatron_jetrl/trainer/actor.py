@@ -169,6 +169,11 @@ class Actor:
                                                 use_distributed_optimizer=use_dist_opt)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
         model.config.finalize_model_grads_func = finalize_model_grads
+        # weight gradients straight into DDP's fp32 main_grad: megatron's BF16 linears here (models/grad_accum.py),
+        # the FP8 linears in their own backward (precision/linear.py); precision.fuse_wgrad_accumulation
+        from megatron_jetrl.models.grad_accum import enable as enable_grad_accum_fusion
+
+        self.grad_accum_fused_layers = enable_grad_accum_fusion(model, fp8_state.fuse_wgrad_accumulation)
         opt_cfg = OptimizerConfig(optimizer="adam", lr=algo.lr, min_lr=algo.lr, weight_decay=algo.weight_decay,
                                   adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
                                   clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,

@@ -1,0 +1,81 @@
+"""Gradient-accumulation fusion for megatron-core's own (BF16) linears without APEX.
+
+With ``gradient_accumulation_fusion`` on, megatron-core's linear backward adds the weight gradient straight
+into the fp32 ``main_grad`` that its DDP keeps (``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``, an
+APEX extension), marks ``grad_added_to_main_grad`` and hands autograd a placeholder the DDP hook drops;
+without it the gradient is written in the parameter dtype and the hook adds it in a second pass over the
+weight every micro-batch. APEX is not installed here, so :func:`enable` fills megatron's empty slot with
+the same two calls in torch: ``torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)`` (one
+cuBLAS GEMM with beta = 1 and an fp32 output, BF16 inputs; CUDA) or ``main_grad.addmm_`` where the dtypes
+already agree (fp32 parameters, the CPU run). The FP8 linears do the same for their FP8 wgrad
+(``precision/linear.py``, ``precision/cublaslt.py``); this covers what stays BF16: the LM head in every
+mode, and every linear in ``bf16`` / ``fp8_rollout`` training, so the baselines get the fusion too.
+
+The switch is per layer (megatron reads ``layer.gradient_accumulation_fusion`` at each forward) and is
+thrown only after the model is wrapped in megatron's DDP, which is what creates ``main_grad``: a model used
+outside DDP keeps the plain path. ``precision.fuse_wgrad_accumulation`` turns both fusions on or off.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad [N, K] += grad_output[T, N]^T @ total_input[T, K]`` (fp32 accumulate)."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    else:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
+
+
+def _accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+SHIM = types.SimpleNamespace(wgrad_gemm_accum_fp32=_accum_fp32, wgrad_gemm_accum_fp16=_accum_fp16)
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_type: str) -> tuple[bool, str]:
+    """Whether the torch calls above run (and add) on this device type: a small probe in the dtypes the
+    model uses there (BF16 inputs into fp32 on CUDA, fp32 on CPU)."""
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, dy = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+        x, dy = x.to(device_type, dtype), dy.to(device_type, dtype)
+        out = torch.ones(8, 16, device=device_type)
+        _accum_fp32(x, dy, out)
+        ref = 1.0 + dy.float().t() @ x.float()
+        if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
+            return False, "torch.addmm into fp32 gave a wrong sum"
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return True, ""
+
+
+def enable(model: torch.nn.Module, on: bool = True) -> int:
+    """Set megatron's ``gradient_accumulation_fusion`` on every megatron linear of ``model`` (call after
+    wrapping it in megatron's DDP); fills megatron's APEX slot with :data:`SHIM` when APEX is absent. Returns
+    the number of layers switched on (0 where the torch calls do not run here: the plain path stays)."""
+    from megatron.core.tensor_parallel import layers
+
+    mods = [m for m in model.modules() if isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear))]
+    if on and not layers._grad_accum_fusion_available:
+        dev = next(model.parameters()).device.type
+        ok, why = available(dev)
+        if not ok:
+            log.warning("gradient-accumulation fusion for megatron's BF16 linears is off: %s", why)
+            on = False
+        else:
+            layers.fused_weight_gradient_mlp_cuda = SHIM
+            layers._grad_accum_fusion_available = True
+    for m in mods:
+        m.gradient_accumulation_fusion = on
+    return len(mods) if on else 0
