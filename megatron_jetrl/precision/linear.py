@@ -5,8 +5,8 @@ Backward: dgrad in FP8 (dy in 1x128 groups along N, the *same* cached weight byt
 transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along tokens, x re-blocked
 128x128 from the saved FP8 activations) or BF16 per recipe; under megatron's DDP the FP8 wgrad adds its
 fp32 result straight into the weight's fp32 ``main_grad`` (gradient-accumulation fusion,
-``precision/cublaslt.py``). Only the FP8 activations and their scales are saved for backward. Gradients between ops stay BF16; fp32 master weights stay in the
-optimizer.
+``precision/cublaslt.py``). Only the FP8 activations and their scales are saved for backward.
+Gradients between ops stay BF16; fp32 master weights stay in the optimizer.
 
 Fused weights are quantized per logical sub-matrix in the rollout's (HF/SGLang) layout: Megatron's
 ``linear_qkv`` interleaves q, k, v per query group, SGLang's ``qkv_proj`` concatenates q, k, v;
