@@ -750,3 +750,22 @@ def test_fp8_wgrad_accumulates_into_megatron_main_grad(megatron_single):
             got = grads[True, step][n]
             assert ref.abs().sum() > 0, n
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (n, (got - ref).abs().max())
+
+
+def test_grad_accum_fusion_probe_follows_device_and_dtype(megatron_single):
+    """models/grad_accum.py switches megatron's fusion on only where its torch call runs for the model's
+    parameters: fp32 on CPU (``addmm_``) yes, BF16 on CPU (``addmm`` with an fp32 ``out_dtype`` is CUDA-only) no,
+    leaving every layer on megatron's plain path."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models import grad_accum
+    from megatron_jetrl.models.builder import build_model
+
+    assert grad_accum.available("cpu", torch.float32) == (True, "")
+    ok, why = grad_accum.available("cpu", torch.bfloat16)
+    assert not ok and why
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=bf16"])
+    for dtype, expect_on in ((torch.bfloat16, False), (torch.float32, True)):
+        model, _ = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), dtype, backend="emulated")
+        n = grad_accum.enable(model)
+        flags = {m.gradient_accumulation_fusion for m in _megatron_linears(model)}
+        assert (n > 0) == expect_on and flags == {expect_on}, (dtype, n, flags)

@@ -42,10 +42,10 @@ SHIM = types.SimpleNamespace(wgrad_gemm_accum_fp32=_accum_fp32, wgrad_gemm_accum
 
 
 @functools.lru_cache(maxsize=None)
-def available(device_type: str) -> tuple[bool, str]:
-    """Whether the torch calls above run (and add) on this device type: a small probe in the dtypes the
-    model uses there (BF16 inputs into fp32 on CUDA, fp32 on CPU)."""
-    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+def available(device_type: str, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+    """Whether the torch calls above run (and add) on this device type for parameters of ``dtype``
+    (activations and gradients in that dtype, ``main_grad`` fp32): a small probe. BF16 into fp32 needs
+    ``addmm``'s ``out_dtype`` (CUDA); fp32 is a plain ``addmm_`` anywhere."""
     try:
         g = torch.Generator().manual_seed(0)
         x, dy = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
@@ -63,19 +63,20 @@ def available(device_type: str) -> tuple[bool, str]:
 def enable(model: torch.nn.Module, on: bool = True) -> int:
     """Set megatron's ``gradient_accumulation_fusion`` on every megatron linear of ``model`` (call after
     wrapping it in megatron's DDP); fills megatron's APEX slot with :data:`SHIM` when APEX is absent. Returns
-    the number of layers switched on (0 where the torch calls do not run here: the plain path stays)."""
+    the number of layers switched on (0 where the torch calls do not run for this model's device and
+    parameter dtype, e.g. BF16 parameters on CPU: the plain path stays)."""
     from megatron.core.tensor_parallel import layers
 
     mods = [m for m in model.modules() if isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear))]
-    if on and not layers._grad_accum_fusion_available:
-        dev = next(model.parameters()).device.type
-        ok, why = available(dev)
-        if not ok:
-            log.warning("gradient-accumulation fusion for megatron's BF16 linears is off: %s", why)
-            on = False
-        else:
+    if on and getattr(layers, "fused_weight_gradient_mlp_cuda", SHIM) is SHIM:  # APEX absent: ours, if it runs here
+        p = next(model.parameters())
+        ok, why = available(p.device.type, p.dtype)
+        if ok:
             layers.fused_weight_gradient_mlp_cuda = SHIM
             layers._grad_accum_fusion_available = True
+        else:
+            log.warning("gradient-accumulation fusion for megatron's BF16 linears is off: %s", why)
+            on = False
     for m in mods:
         m.gradient_accumulation_fusion = on
     return len(mods) if on else 0
