@@ -16,7 +16,8 @@ epilogue differs (fp32 ``out + acc`` instead of ``round_bf16(acc)``).
 Used by ``linear._fp8_backward`` when a weight has a fp32 ``main_grad`` (megatron DDP) and
 ``precision.fuse_wgrad_accumulation`` is on; :func:`available` says why not where it cannot run (no
 CUDA, no libcublasLt in the process, cuBLAS older than 12.9, shapes cuBLASLt rejects), and the FP8 linear then
-keeps the unfused path. The enum values below are cuBLASLt's (cublasLt.h, CUDA 12.9+).
+keeps the unfused path. The enum values below are cuBLASLt's (cublasLt.h, CUDA 12.9+; checked against the
+H200 image's CUDA 13.0 header).
 """
 from __future__ import annotations
 
