@@ -5,6 +5,7 @@ the bytes every micro-batch of the next step, the rollout and the weight export 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,8 @@ from megatron_jetrl.config import AlgoConfig, ParallelConfig
 from megatron_jetrl.precision.linear import FP8ModelState, refresh_fp8_weights
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.pipeline import run_microbatches
+
+log = logging.getLogger("jetrl")
 
 
 @dataclass
@@ -153,6 +156,21 @@ def _fuse_torch_adam(opt) -> bool:
     return switched
 
 
+def _fp8_wgrad_fusion(state: FP8ModelState) -> str:
+    """How the FP8 wgrad reaches main_grad in this run (for the log line)."""
+    if not state.recipe.train_fp8:
+        return "no FP8 training in this mode"
+    if not state.fuse_wgrad_accumulation:
+        return "unfused (precision.fuse_wgrad_accumulation=false)"
+    backend = getattr(state, "backend", state.requested_backend)
+    if backend == "scaled_mm":
+        from megatron_jetrl.precision import cublaslt
+
+        ok, why = cublaslt.available()
+        return "fused (cuBLASLt, beta = 1)" if ok else f"unfused ({why})"
+    return "TransformerEngine's own" if backend == "te" else f"fused ({backend} backend)"
+
+
 class Actor:
     def __init__(self, model, fp8_state: FP8ModelState, algo: AlgoConfig, parallel: ParallelConfig,
                  params_dtype: torch.dtype, total_steps: int, temperature: float = 1.0):
@@ -174,6 +192,8 @@ class Actor:
         from megatron_jetrl.models.grad_accum import enable as enable_grad_accum_fusion
 
         self.grad_accum_fused_layers = enable_grad_accum_fusion(model, fp8_state.fuse_wgrad_accumulation)
+        log.info("gradient-accumulation fusion: on for megatron's BF16 path in %d linears; FP8 wgrad: %s",
+                 self.grad_accum_fused_layers, _fp8_wgrad_fusion(fp8_state))
         opt_cfg = OptimizerConfig(optimizer="adam", lr=algo.lr, min_lr=algo.lr, weight_decay=algo.weight_decay,
                                   adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
                                   clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,
