@@ -193,10 +193,12 @@ class PrecisionConfig:
     """FP8 MLPs: run fc2's SwiGLU inside its activation quantizer (one pass over fc1's output, no
     BF16 activation written; same FP8 bytes as the unfused ops)."""
     fuse_wgrad_accumulation: bool = True
-    """FP8 weight gradients: the wgrad GEMM adds its fp32 result straight into megatron's fp32
-    ``main_grad`` (cuBLASLt with beta = 1 on CUDA, ``precision/cublaslt.py``; TransformerEngine's and APEX's
-    gradient-accumulation fusion) instead of returning a BF16 gradient that the DDP hook adds in a second
-    pass. Falls back to the unfused path where cuBLASLt's block scaling is unavailable."""
+    """Weight gradients in every mode: the wgrad GEMM adds its fp32 result straight into megatron's fp32
+    ``main_grad`` (TransformerEngine's and APEX's gradient-accumulation fusion) instead of returning a
+    gradient that the DDP hook adds in a second pass: the FP8 wgrad through cuBLASLt with beta = 1
+    (``precision/cublaslt.py``), megatron's BF16 linears (the LM head; all linears in bf16 / fp8_rollout)
+    through ``torch.addmm`` with an fp32 output (``models/grad_accum.py``). Each falls back to the unfused
+    path where it cannot run (cuBLAS < 12.9; BF16 parameters on CPU)."""
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""

@@ -153,4 +153,3 @@ def accumulate_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ba
 
         return cublaslt.available()[0] and cublaslt.shapes_ok(a, b, out)
     return False
-
