@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from megatron_jetrl.precision.gemm import _col_major
+
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68
 _R_32F, _R_16BF, _R_8F_E4M3 = 0, 14, 28
@@ -199,7 +201,5 @@ def block_gemm_accumulate(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b
     if not shapes_ok(a, b, out):
         raise ValueError(f"block_gemm_accumulate: operands a {tuple(a.shape)} b {tuple(b.shape)} out "
                          f"{tuple(out.shape)} {out.dtype} are not in the form cuBLASLt takes (see shapes_ok)")
-    a_s = a_s if a_s.stride(0) == 1 else a_s.t().contiguous().t()
-    b_s = b_s.contiguous()
-    lt.matmul(a, a_s, b, b_s, out, beta)
+    lt.matmul(a, _col_major(a_s), b, b_s.contiguous(), out, beta)
     return out
