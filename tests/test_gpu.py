@@ -584,3 +584,86 @@ def test_jet_wgrad_accumulation_into_main_grad_on_gpu(megatron_single):
         for n, ref in grads[False, step].items():
             got = grads[True, step][n]
             assert ((got - ref).norm() / ref.norm()).item() < 1e-2, n
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,N", [(4096, 6144), (4096, 28672), (300, 200), (77, 4096)])
+def test_dual_gradient_quantizer_bit_identical(M, N, dtype, scale_fmt):
+    """The backward's one-pass gradient quantizer: the torch statements' bytes and scales for both operands
+    (1x128 along N with column-major scales for dgrad, 1x128 along the tokens transposed for wgrad)."""
+    from megatron_jetrl.precision.quant import quantize_dual
+
+    recipe = FP8Recipe(scale_fmt=scale_fmt)
+    d = _x((M, N), dtype, seed=2)
+    q, s, qt, st = quantize_dual(d, recipe, scale_col_major=True)
+    qr, sr = quantize_act(d, recipe, use_triton=False)
+    qtr, str_ = quantize_transposed(d, recipe, False, use_triton=False)
+    assert _same(q, qr) and torch.equal(s, sr) and s.stride() == (1, M)
+    assert _same(qt, qtr) and torch.equal(st, str_)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,F", [(4096, 14336), (200, 256)])
+def test_swiglu_backward_dual_equals_two_kernels(M, F, dtype):
+    """fc1's gradient operands straight from fc2's: the same bytes and scales as the SwiGLU backward
+    kernel's output (its exact fp32 operations, rounded to the dtype) quantized by the dual quantizer."""
+    from megatron_jetrl.precision.quant import quantize_dual, swiglu_backward, swiglu_backward_dual
+
+    recipe = FP8Recipe()
+    y = _x((M, 2 * F), dtype) * 2
+    da = _x((M, F), dtype, seed=1)
+    got = swiglu_backward_dual(y, da, recipe, scale_col_major=True)
+    ref = quantize_dual(swiglu_backward(y, da), recipe, scale_col_major=True)
+    for a, b in zip(got, ref):
+        assert (_same(a, b) if a.dtype != torch.float32 else torch.equal(a, b))
+
+
+def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single, monkeypatch):
+    """The tiny model in BF16 on the H200 with head_dim 128 (the fused QKV trains in Megatron block order):
+    gradients with the one-pass gradient quantizers and fc2 -> fc1 hand-off equal those of one quantizer
+    per operand (``JETRL_FUSED_DY_QUANT=0``) bit for bit; the per-step refresh writes every FP8 cache in
+    place (same storage) with the bytes and scales of the torch quantizer, the QKV's training-order copy
+    too."""
+    import os
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision.linear import FP8LinearMixin, refresh_fp8_weights
+    from tests.test_precision import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), [
+        "precision.mode=jet", "model.head_dim=128", "model.num_attention_heads=4", "model.num_key_value_heads=2"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.bfloat16,
+                               backend="auto")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 256), device="cuda")
+    pos = torch.arange(256, device="cuda").expand(2, 256)
+    grads = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JETRL_FUSED_DY_QUANT", flag)
+        model.zero_grad()
+        model(tokens, pos, None).float().square().mean().backward()
+        grads[flag] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["1"].keys() == grads["0"].keys() and len(grads["1"]) > 10
+    for n, g in grads["1"].items():
+        assert torch.equal(g, grads["0"][n]), n
+    fp8 = [m for m in model.modules() if isinstance(m, FP8LinearMixin)]
+    assert any(m.fp8_cache._train is not None for m in fp8)
+    ptrs = [(m.fp8_cache.qweight.data_ptr(), m.fp8_cache.scale_inv.data_ptr()) for m in fp8]
+    with torch.no_grad():
+        for m in fp8:
+            m.weight.add_(torch.randn_like(m.weight) * 0.05)
+    refresh_fp8_weights(model, state)
+    for m, ptr in zip(fp8, ptrs):
+        c = m.fp8_cache
+        assert (c.qweight.data_ptr(), c.scale_inv.data_ptr()) == ptr
+        w = m.weight.detach()
+        w = w if c.perm is None else w.index_select(0, c.perm)
+        for (q, s), part in zip(c.parts(), w.split(c.sub_rows, 0)):
+            qr, sr = quantize_weight(part, state.recipe, use_triton=False)
+            assert _same(q, qr) and torch.equal(s, sr)
+        if c._train is not None:
+            qr, sr = quantize_weight(m.weight.detach(), state.recipe, use_triton=False)
+            assert _same(c._train[0], qr) and torch.equal(c._train[1], sr)
+            assert _same(c.train_order(m.weight, state)[0], qr)  # current: no second reorder

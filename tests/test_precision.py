@@ -414,6 +414,68 @@ def test_jet_mlp_fuses_swiglu_only_when_fc2_runs_fp8(fuse, megatron_single):
     assert out.shape == outs[True][0].shape and not mlp.linear_fc2.swiglu_input
 
 
+def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
+    """Training through JetMLP: fc2's backward quantizes fc1's output gradient both ways in one pass
+    (``quant.swiglu_backward_dual``) and fc1's backward uses those operands; the BF16 gradient of fc1's
+    output is never formed. Gradients (fc1, fc2, the MLP input) are bit-equal to the unfused path
+    (``JETRL_FUSED_DY_QUANT=0``: ``swiglu_backward`` + one quantizer per operand); a bias added between fc1
+    and fc2 keeps the unfused path (the link needs fc1's output as is)."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision import linear as lin
+    from megatron_jetrl.precision import quant
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    mlp = model.decoder.layers[0].mlp
+    x0 = torch.randn(7, 2, cfg.model.hidden_size)
+    calls = {"dual": 0, "bwd": 0}
+    real_dual, real_bwd = quant.swiglu_backward_dual, quant.swiglu_backward
+    inside = []
+
+    def dual(*a, **k):
+        calls["dual"] += 1
+        inside.append(1)
+        try:
+            return real_dual(*a, **k)  # on CPU: quantize_dual(swiglu_backward(...)), not counted below
+        finally:
+            inside.pop()
+
+    def bwd(*a, **k):
+        calls["bwd"] += 0 if inside else 1
+        return real_bwd(*a, **k)
+
+    monkeypatch.setattr(quant, "swiglu_backward_dual", dual)
+    monkeypatch.setattr(quant, "swiglu_backward", bwd)
+
+    def grads():
+        model.zero_grad()
+        x = x0.clone().requires_grad_()
+        out, _ = mlp(x)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return [x.grad.clone(), mlp.linear_fc1.weight.grad.clone(), mlp.linear_fc2.weight.grad.clone()]
+
+    fused = grads()
+    assert calls == {"dual": 1, "bwd": 0} and mlp.linear_fc1.swiglu_grad_link is None
+    monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")
+    unfused = grads()
+    assert calls == {"dual": 1, "bwd": 1}
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+    monkeypatch.delenv("JETRL_FUSED_DY_QUANT")
+    # y = fc1(x) + bias: fc2's input is not fc1's output tensor, so no hand-off
+    real_fc1 = mlp.linear_fc1.forward
+    monkeypatch.setattr(mlp.linear_fc1, "forward", lambda h: (real_fc1(h)[0], torch.zeros(())))
+    with_bias = grads()
+    assert calls == {"dual": 1, "bwd": 2}
+    for a, b in zip(with_bias, unfused):
+        assert torch.equal(a, b)
+    link = lin.SwigluGradLink()
+    assert link.y is None and link.operands is None
+
+
 def test_fused_swiglu_quant_kernel_under_the_interpreter():
     """The fused SwiGLU + 1x128 quantization Triton kernel (CUDA in production) under Triton's CPU
     interpreter on fp32 input: the bytes and scales of the unfused SwiGLU + Triton quantizer. (The
@@ -483,6 +545,52 @@ for M, F in ((37, 600), (4, 256)):
     assert dy.shape == ref.shape and dy.dtype == ref.dtype
     torch.testing.assert_close(dy, ref, rtol=1e-5, atol=1e-6)
     assert not torch.equal(dy[:, :F], torch.zeros_like(dy[:, :F]))
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_dual_gradient_quantizer_under_the_interpreter():
+    """The backward's one-pass gradient quantizer under Triton's CPU interpreter, kernel to kernel: the
+    same bytes and scales as the 1x128 quantizer (dgrad operand, both scale layouts) and the transposed
+    1x128 quantizer (wgrad operand), ragged shapes included; the SwiGLU-backward form equals the SwiGLU
+    backward kernel followed by it (fp32: the interpreter's bf16 rounding is not the GPU's; bf16 bytes
+    are checked on the H200, tests/test_gpu.py)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.triton_quant import (quantize_act_triton, quantize_dual_triton, quantize_transposed_triton,
+                                                   swiglu_backward_dual_triton, swiglu_backward_triton)
+g = torch.Generator().manual_seed(0)
+same = lambda a, b: a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, N in ((300, 200), (128, 256), (1, 5)):
+        d = torch.randn(M, N, generator=g) * 3
+        d[:, :7] *= 50  # groups of very different range
+        for cm in (False, True):
+            q, s, qt, st = quantize_dual_triton(d, r, cm)
+            qr, sr = quantize_act_triton(d, r, cm)
+            qtr, str_ = quantize_transposed_triton(d, r, tile_scale=False)
+            assert same(q, qr) and torch.equal(s, sr) and s.stride() == sr.stride(), (M, N, cm)
+            assert same(qt, qtr) and torch.equal(st, str_), (M, N, cm)
+    for M, F in ((200, 256), (5, 128)):
+        y = torch.randn(M, 2 * F, generator=g) * 3
+        da = torch.randn(M, F, generator=g)
+        got = swiglu_backward_dual_triton(y, da, r, True)
+        ref = quantize_dual_triton(swiglu_backward_triton(y, da), r, True)
+        for a, b in zip(got, ref):
+            assert (same(a, b) if a.dtype != torch.float32 else torch.equal(a, b)), (M, F)
+try:
+    swiglu_backward_dual_triton(torch.zeros(4, 200), torch.zeros(4, 100), FP8Recipe(mode="jet"))
+    raise SystemExit("F not a multiple of 128 accepted")
+except ValueError as e:
+    assert "multiple of 128" in str(e)
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)

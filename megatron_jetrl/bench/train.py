@@ -18,7 +18,7 @@ import torch
 from megatron_jetrl.bench.timing import dump_json
 
 
-def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: bool = False) -> dict:
+def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -57,10 +57,17 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: bool = False) -> dic
     if profile:  # one more training step under the profiler: GPU kernel time by kernel
         from megatron_jetrl.bench.timing import kernel_table
 
+        from megatron_jetrl.precision.linear import refresh_fp8_weights
+
         table = kernel_table(lambda: actor.train_step(batch), 1,
                              f"{cfg.precision.mode} train step (fwd/bwd + optimizer), {cfg.model.num_layers} layers, "
-                             f"seq {seq}", top=30)
+                             f"seq {seq}", top=profile)
         out["train_kernel_ms"] = table["ms_per_call"]
+        # the GPU's idle time inside the timed step: host work and syncs the kernels do not cover
+        print(f"  train step wall {1e3 * out['train']:.1f} ms (median above) vs {table['ms_per_call']:.1f} ms of kernels")
+        if state.recipe.rollout_fp8:  # the per-step re-quantization alone
+            kernel_table(lambda: refresh_fp8_weights(model, state), 1, f"{cfg.precision.mode} FP8 weight re-quantization, "
+                         f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
     gc.collect()
@@ -80,8 +87,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens-per-step", type=int, default=65536, help="tokens in the fixed batch")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--profile", action="store_true",
-                    help="also print the kernels of one training step per mode (where the phase's time goes)")
+    ap.add_argument("--profile", type=int, nargs="?", const=30, default=0, metavar="TOP",
+                    help="also print the TOP (default 30) kernels of one training step per mode (where the phase's "
+                         "time goes) and of the FP8 re-quantization")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)

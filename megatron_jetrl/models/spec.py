@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_jetrl.precision.linear import FP8LinearMixin
+from megatron_jetrl.precision.linear import FP8LinearMixin, SwigluGradLink
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -106,14 +106,22 @@ class JetMLP(MLP):
                 or not cfg.gated_linear_unit or cfg.activation_func is not F.silu or cfg.use_te_activation_func
                 or cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset != 0):
             return super().forward(hidden_states, per_token_scale, **kwargs)
-        y, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            y = y + bias
-        fc2.swiglu_input = True
+        fc1 = self.linear_fc1
+        # training: fc2's backward may hand fc1's backward its output gradient already quantized
+        # (precision.linear.SwigluGradLink); the link is taken only if fc2 gets fc1's FP8 output as is
+        link = SwigluGradLink() if torch.is_grad_enabled() and getattr(fc1, "fp8_state", None) is state else None
+        fc1.swiglu_grad_link = fc2.swiglu_grad_link = link
         try:
+            y, bias = fc1(hidden_states)
+            if bias is not None:
+                y = y + bias
+            fc2.swiglu_input = True
             return fc2(y)
         finally:
             fc2.swiglu_input = False
+            fc1.swiglu_grad_link = fc2.swiglu_grad_link = None
+            if link is not None:
+                link.y = None
 
 
 class JetSpecProvider(LocalSpecProvider):

@@ -29,7 +29,7 @@ import torch
 
 from megatron_jetrl.models.hf_mapping import qkv_permutation
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
-from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_transposed,
+from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_dual, quantize_transposed,
                                             quantize_weight)
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -98,10 +98,27 @@ class FP8WeightCache:
         w = weight.detach()
         if self.perm is not None:
             w = w.index_select(0, self.perm.to(w.device))
-        qs, ss = zip(*(quantize_weight(part, state.recipe) for part in w.split(self.sub_rows, 0)))
-        self._store(qs, ss)
+        if w.is_cuda and self._holds(w):
+            # quantized straight into the cache's buffers (no temporaries, no concatenation); the
+            # training-order copy straight from the Megatron-order weight (the same blocks and scales)
+            from megatron_jetrl.precision.triton_quant import quantize_weight_triton
+
+            for part, out in zip(w.split(self.sub_rows, 0), self.parts()):
+                quantize_weight_triton(part, state.recipe, out=out)
+            self.stores += 1
+            if self._train is not None:
+                quantize_weight_triton(weight.detach(), state.recipe, out=self._train)
+                self._train_stores = self.stores
+        else:
+            qs, ss = zip(*(quantize_weight(part, state.recipe) for part in w.split(self.sub_rows, 0)))
+            self._store(qs, ss)
         self.version = state.version
         self.refreshes += 1
+
+    def _holds(self, w: torch.Tensor) -> bool:
+        """Whether the cache's buffers exist on ``w``'s device in ``w``'s shape (refresh writes into them)."""
+        return (self.qweight is not None and self.qweight.device == w.device and self.qweight.shape == w.shape
+                and self.scale_inv.shape[0] == sum(-(-n // self.block_rows) for n in self.sub_rows))
 
     @torch.no_grad()
     def install(self, parts: list[tuple[torch.Tensor, torch.Tensor]], state: FP8ModelState,
@@ -165,7 +182,7 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in block FP8; see the module docstring for the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False):
+    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
         y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
@@ -174,13 +191,17 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
         ctx.weight = weight if fuse_accum else None
+        ctx.link = link
         return y.view(*lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
-        dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return dx, dw, None, None, None, None, None, None, None
+        pre = None
+        if ctx.link is not None:  # fc1 of a gated MLP: fc2's backward may have quantized our dy already
+            pre, ctx.link.operands = ctx.link.operands, None
+        dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre)
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 _ACCUMULATE_FAILED: list = []
@@ -218,20 +239,51 @@ def _main_grad_target(ctx, inv_perm, a, b):
     return mg if accumulate_supported(a, b, mg, ctx.backend) else None
 
 
-def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
-    """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring)."""
+def fused_dy_quant() -> bool:
+    """Whether the FP8 backward quantizes each output gradient both ways in one pass (and a gated MLP's fc2
+    hands fc1 its gradient already quantized); ``JETRL_FUSED_DY_QUANT=0``: one quantizer per operand
+    (the same bytes, for timing the difference)."""
+    return os.environ.get("JETRL_FUSED_DY_QUANT", "1") != "0"
+
+
+class SwigluGradLink:
+    """One gated-MLP forward's fc1 -> fc2 hand-off (``models.spec.JetMLP``): fc1's FP8 forward leaves its
+    output in ``y``; fc2 takes the link only if it is handed exactly that tensor (no bias add between). Then
+    fc2's backward computes fc1's output gradient and quantizes it in one pass
+    (``quant.swiglu_backward_dual``), leaving fc1's dgrad and wgrad operands in ``operands`` and autograd a
+    zero placeholder: fc1's output has no other consumer, and its backward takes ``operands`` instead of
+    quantizing the BF16 gradient (which is never written)."""
+
+    __slots__ = ("y", "operands")
+
+    def __init__(self):
+        self.y, self.operands = None, None
+
+
+def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None):
+    """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring); ``pre``: dy's
+    four FP8 operands (``quantize_dual``'s), computed by the op that produced dy."""
     recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
     N = dy.shape[-1]
     dy2 = dy.reshape(-1, N)
-    if perm is not None:
-        dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
+    if pre is not None:
+        if perm is not None or recipe.wgrad != "fp8":
+            raise RuntimeError("pre-quantized output gradient handed to a permuted or BF16-wgrad FP8 linear")
+        dyq, dys, dyt_q, dyt_s = pre
+    else:
+        if perm is not None:
+            dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
+        if recipe.wgrad == "fp8" and fused_dy_quant():  # both of dy's operands below in one pass
+            dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, recipe, scale_col_major=backend == "scaled_mm")
+        else:
+            dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
+            if recipe.wgrad == "fp8":
+                dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
     # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
-    dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
     dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
     # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
     # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
     if recipe.wgrad == "fp8":
-        dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
         xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
         main_grad = _main_grad_target(ctx, inv_perm, dyt_q, xt_q)
         if main_grad is not None and _accumulate(dyt_q, dyt_s, xt_q, xt_s, main_grad, backend, g):
@@ -259,7 +311,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
     the FP8 linear's (dgrad, wgrad) followed by the SwiGLU derivative in fp32."""
 
     @staticmethod
-    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False):
+    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None):
         from megatron_jetrl.precision.quant import quantize_swiglu
 
         lead = y.shape[:-1]
@@ -270,15 +322,22 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
         ctx.weight = weight if fuse_accum else None
+        ctx.link = link
         return out.view(*lead, out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout):
         y, xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
-        from megatron_jetrl.precision.quant import swiglu_backward
+        from megatron_jetrl.precision.quant import swiglu_backward, swiglu_backward_dual
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return swiglu_backward(y, da), dw, None, None, None, None, None, None, None
+        if ctx.link is not None:  # fc1's dgrad/wgrad operands in one pass; autograd gets a zero placeholder
+            ctx.link.operands = swiglu_backward_dual(y.reshape(-1, y.shape[-1]), da.reshape(-1, da.shape[-1]),
+                                                     ctx.recipe, scale_col_major=ctx.backend == "scaled_mm")
+            dy = torch.zeros((), dtype=y.dtype, device=y.device).expand(y.shape)
+        else:
+            dy = swiglu_backward(y, da)
+        return dy, dw, None, None, None, None, None, None, None, None
 
 
 class FP8LinearMixin:
@@ -301,6 +360,9 @@ class FP8LinearMixin:
     small-M GEMM splits K, the call returns the unsummed fp32 partials ``[split, tokens, N]`` and sets
     ``deferred_splits``; the norm kernel sums them (same bytes as the sum kernel, one launch less)."""
     deferred_splits = 0
+    swiglu_grad_link: Optional[SwigluGradLink] = None
+    """Set by the gated MLP (``models.spec.JetMLP``) on fc1 and fc2 around one training forward: see
+    ``SwigluGradLink``."""
     rollout_layout_output = False
     """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
     the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
@@ -352,8 +414,17 @@ class FP8LinearMixin:
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
+        link = self.swiglu_grad_link
+        if link is not None:
+            if self.swiglu_input:  # fc2: only with fc1's own FP8 output as input
+                link_ok, link.y = link.y is input and inv_perm is None, None
+            else:  # fc1: its dy can come pre-quantized (no row permutation, FP8 wgrad)
+                link_ok = inv_perm is None and bias is None and self.fp8_state.recipe.wgrad == "fp8"
+            link = link if link_ok and torch.is_grad_enabled() and fused_dy_quant() else None
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
-                       self.fp8_state.fuse_wgrad_accumulation)
+                       self.fp8_state.fuse_wgrad_accumulation, link)
+        if link is not None and not self.swiglu_input:
+            link.y = out
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):

@@ -108,6 +108,34 @@ def swiglu_backward(y: torch.Tensor, da: torch.Tensor, use_triton: bool | None =
     return torch.cat([dgate, dup], -1).to(y.dtype)
 
 
+def quantize_dual(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, use_triton: bool | None = None):
+    """A gradient ``d`` [M, N] quantized both ways the FP8 backward needs: ``quantize_act(d)`` (dgrad) and
+    ``quantize_transposed(d, tile_scale=False)`` (wgrad), returned as ``(q, scale_inv, q_t, scale_inv_t)``;
+    on CUDA one Triton pass that reads ``d`` once (same bytes and scales)."""
+    if use_triton is None:
+        use_triton = d.is_cuda
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import quantize_dual_triton
+
+        return quantize_dual_triton(d, recipe, scale_col_major)
+    return (*quantize_act(d, recipe, use_triton=False, scale_col_major=scale_col_major),
+            *quantize_transposed(d, recipe, False, use_triton=False))
+
+
+def swiglu_backward_dual(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
+                         use_triton: bool | None = None):
+    """``quantize_dual(swiglu_backward(y, da))``: fc1's FP8 dgrad and wgrad operands straight from fc2's
+    activation gradient; on CUDA (F a multiple of the group size) one Triton pass that never writes the
+    BF16 gradient of fc1's output (same bytes and scales)."""
+    if use_triton is None:
+        use_triton = y.is_cuda and (y.shape[-1] // 2) % recipe.group_size == 0
+    if use_triton:
+        from megatron_jetrl.precision.triton_quant import swiglu_backward_dual_triton
+
+        return swiglu_backward_dual_triton(y, da, recipe, scale_col_major)
+    return quantize_dual(swiglu_backward(y, da), recipe, scale_col_major)
+
+
 def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
                     scale_col_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_act(swiglu(y))``; on CUDA one fused Triton pass (the BF16 activation is never

@@ -192,14 +192,23 @@ def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: b
     return q, s
 
 
-def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (q [N, K], scale_inv [ceil(N/G), ceil(K/G)]) in GxG blocks, one program per block."""
+def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q [N, K], scale_inv [ceil(N/G), ceil(K/G)]) in GxG blocks, one program per block;
+    ``out``: write into these (row-contiguous, e.g. the weight cache's own slices) instead of new tensors."""
     w = w.contiguous()
     R, C = w.shape
     G = recipe.group_size
     rb, cb = triton.cdiv(R, G), triton.cdiv(C, G)
-    q = torch.empty((R, C), dtype=recipe.dtype, device=w.device)
-    s = torch.empty((rb, cb), dtype=torch.float32, device=w.device)
+    if out is not None:
+        q, s = out
+        if (q.shape != (R, C) or s.shape != (rb, cb) or q.dtype != recipe.dtype or s.dtype != torch.float32
+                or q.stride(1) != 1 or s.stride(1) != 1 or q.device != w.device or s.device != w.device):
+            raise ValueError(f"quantize_weight_triton: out must be fp8 [{R}, {C}] and fp32 [{rb}, {cb}] row-contiguous "
+                             f"on {w.device}, got {tuple(q.shape)} {q.dtype} / {tuple(s.shape)} {s.dtype}")
+    else:
+        q = torch.empty((R, C), dtype=recipe.dtype, device=w.device)
+        s = torch.empty((rb, cb), dtype=torch.float32, device=w.device)
     if R and C:
         _quant_t_kernel[(rb, cb)](w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
                                   1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
@@ -306,6 +315,87 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
             y2, da2, dy, M, F, y2.stride(0), da2.stride(0), dy.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
             LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4, enable_fp_fusion=False)
     return dy.view(*lead, F2)
+
+
+@triton.jit
+def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, stride_xm, stride_dam, stride_qrm,
+                       stride_srm, stride_srg, stride_qtn, stride_stn, inv_max, fmax, eps, G: tl.constexpr,
+                       UE8M0: tl.constexpr, SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       LIBDEVICE_EXP: tl.constexpr):
+    """One [G tokens, G columns] tile of a gradient ``d`` [M, N], quantized both ways the backward needs:
+    1xG groups along N (dgrad; ``qr`` [M, N], ``sr``) and 1xG groups along the tokens, stored transposed
+    (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` is read once instead of twice. SWIGLU_BWD: ``d`` is
+    not in memory but computed here as ``_swiglu_bwd_kernel`` computes it from fc1's output ``x`` = [gate |
+    up] [M, 2F] and ``da`` [M, F] (N = 2F, F a multiple of G; rounded to the BF16 gradient's bytes when
+    ROUND_BF16), so the BF16 gradient is never written."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * G + tl.arange(0, G)
+    cols = pid_n * G + tl.arange(0, G)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SWIGLU_BWD:
+        c = cols % F  # this tile's column of gate/up/da: dgate where cols < F, dup past it
+        base = x_ptr + rows[:, None] * stride_xm + c[None, :]
+        gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_dam + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if LIBDEVICE_EXP:  # the same operations in the same order as _swiglu_bwd_kernel (no FMA: see the launch)
+            e = libdevice.exp(-gate)
+        else:
+            e = tl.exp(-gate)
+        sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
+        if pid_n * G < F:
+            up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
+            d = da * up * sig * (1.0 + gate * (1.0 - sig))
+        else:
+            d = da * gate * sig
+        if ROUND_BF16:
+            d = d.to(tl.bfloat16).to(tl.float32)
+    else:
+        d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
+                           inv_max, fmax, eps, UE8M0)
+    amax = tl.maximum(tl.max(tl.abs(d), axis=0), eps)  # per column, over this tile's G tokens
+    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
+    tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
+    tl.store(st_ptr + cols * stride_stn + pid_m, scale_inv, mask=cols < N)
+
+
+def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool):
+    G = recipe.group_size
+    qr, sr, _ = _act_outputs(M, N, recipe, x.device, scale_col_major)
+    qt = torch.empty((N, M), dtype=recipe.dtype, device=x.device)
+    st = torch.empty((N, triton.cdiv(M, G)), dtype=torch.float32, device=x.device)
+    if M and N:
+        _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
+            x, da, qr, sr, qt, st, M, N, F, x.stride(0), da.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
+            qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+            UE8M0=recipe.scale_fmt == "ue8m0", SWIGLU_BWD=swiglu_bwd, ROUND_BF16=x.dtype == torch.bfloat16,
+            LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8, enable_fp_fusion=False)
+    return qr, sr, qt, st
+
+
+def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False):
+    """A gradient ``d`` [M, N] -> (q [M, N], scale_inv [M, ceil(N/G)], qt [N, M], scale_inv_t [N, ceil(M/G)]):
+    ``quantize_act_triton(d)`` and ``quantize_transposed_triton(d, tile_scale=False)`` (the same bytes and
+    scales) in one pass over ``d``."""
+    d = d if d.stride(-1) == 1 else d.contiguous()
+    M, N = d.shape
+    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False)
+
+
+def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False):
+    """``quantize_dual_triton(swiglu_backward_triton(y, da))`` without writing the gradient: fc1's output
+    ``y`` [M, 2F] and ``da`` [M, F] -> fc1's dgrad and wgrad operands (the same bytes and scales).
+    Needs F to be a multiple of the group size (the two halves do not share a group)."""
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    da = da if da.stride(-1) == 1 else da.contiguous()
+    M, F2 = y.shape
+    F = F2 // 2
+    if F % recipe.group_size or da.shape != (M, F):
+        raise ValueError(f"swiglu_backward_dual_triton: y [M, 2F] with F a multiple of {recipe.group_size} and "
+                         f"da [M, F] expected, got {tuple(y.shape)} and {tuple(da.shape)}")
+    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True)
 
 
 @triton.jit
