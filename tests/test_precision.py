@@ -573,8 +573,8 @@ for fmt in ("fp32", "ue8m0"):
     for M, N in ((300, 200), (128, 256), (1, 5)):
         d = torch.randn(M, N, generator=g) * 3
         d[:, :7] *= 50  # groups of very different range
-        for cm in (False, True):
-            q, s, qt, st = quantize_dual_triton(d, r, cm)
+        for cm, plan in ((False, (128, 8)), (True, (32, 4)), (True, (128, 8))):  # one tile / RB-row chunks
+            q, s, qt, st = quantize_dual_triton(d, r, cm, plan=plan)
             qr, sr = quantize_act_triton(d, r, cm)
             qtr, str_ = quantize_transposed_triton(d, r, tile_scale=False)
             assert same(q, qr) and torch.equal(s, sr) and s.stride() == sr.stride(), (M, N, cm)
@@ -582,10 +582,11 @@ for fmt in ("fp32", "ue8m0"):
     for M, F in ((200, 256), (5, 128)):
         y = torch.randn(M, 2 * F, generator=g) * 3
         da = torch.randn(M, F, generator=g)
-        got = swiglu_backward_dual_triton(y, da, r, True)
         ref = quantize_dual_triton(swiglu_backward_triton(y, da), r, True)
-        for a, b in zip(got, ref):
-            assert (same(a, b) if a.dtype != torch.float32 else torch.equal(a, b)), (M, F)
+        for plan in ((128, 8), (64, 4)):
+            got = swiglu_backward_dual_triton(y, da, r, True, plan=plan)
+            for a, b in zip(got, ref):
+                assert (same(a, b) if a.dtype != torch.float32 else torch.equal(a, b)), (M, F, plan)
 try:
     swiglu_backward_dual_triton(torch.zeros(4, 200), torch.zeros(4, 100), FP8Recipe(mode="jet"))
     raise SystemExit("F not a multiple of 128 accepted")

@@ -318,27 +318,17 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, stride_xm, stride_dam, stride_qrm,
-                       stride_srm, stride_srg, stride_qtn, stride_stn, inv_max, fmax, eps, G: tl.constexpr,
-                       UE8M0: tl.constexpr, SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       LIBDEVICE_EXP: tl.constexpr):
-    """One [G tokens, G columns] tile of a gradient ``d`` [M, N], quantized both ways the backward needs:
-    1xG groups along N (dgrad; ``qr`` [M, N], ``sr``) and 1xG groups along the tokens, stored transposed
-    (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` is read once instead of twice. SWIGLU_BWD: ``d`` is
-    not in memory but computed here as ``_swiglu_bwd_kernel`` computes it from fc1's output ``x`` = [gate |
-    up] [M, 2F] and ``da`` [M, F] (N = 2F, F a multiple of G; rounded to the BF16 gradient's bytes when
-    ROUND_BF16), so the BF16 gradient is never written."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * G + tl.arange(0, G)
-    cols = pid_n * G + tl.arange(0, G)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+def _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G: tl.constexpr,
+                SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """fp32 values of the gradient ``d`` at [rows, cols]: loaded, or (SWIGLU_BWD) computed as
+    ``_swiglu_bwd_kernel`` computes it from fc1's output [gate | up] and ``da`` (the same operations in the
+    same order; no FMA: see the launch), rounded to the BF16 gradient's bytes when ROUND_BF16."""
     if SWIGLU_BWD:
-        c = cols % F  # this tile's column of gate/up/da: dgate where cols < F, dup past it
+        c = cols % F  # the column of gate/up/da: dgate where cols < F, dup past it
         base = x_ptr + rows[:, None] * stride_xm + c[None, :]
         gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         da = tl.load(da_ptr + rows[:, None] * stride_dam + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LIBDEVICE_EXP:  # the same operations in the same order as _swiglu_bwd_kernel (no FMA: see the launch)
+        if LIBDEVICE_EXP:
             e = libdevice.exp(-gate)
         else:
             e = tl.exp(-gate)
@@ -352,39 +342,100 @@ def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, s
             d = d.to(tl.bfloat16).to(tl.float32)
     else:
         d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
-                           inv_max, fmax, eps, UE8M0)
-    amax = tl.maximum(tl.max(tl.abs(d), axis=0), eps)  # per column, over this tile's G tokens
-    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-    q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
-    tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
+    return d
+
+
+@triton.jit
+def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, stride_xm, stride_dam, stride_qrm,
+                       stride_srm, stride_srg, stride_qtn, stride_stn, inv_max, fmax, eps, G: tl.constexpr,
+                       RB: tl.constexpr, UE8M0: tl.constexpr, SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       LIBDEVICE_EXP: tl.constexpr):
+    """One [G tokens, G columns] tile of a gradient ``d`` [M, N], quantized both ways the backward needs:
+    1xG groups along N (dgrad; ``qr`` [M, N], ``sr``) and 1xG groups along the tokens, stored transposed
+    (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` comes from memory once instead of twice. SWIGLU_BWD:
+    ``d`` is computed from fc1's output ``x`` = [gate | up] [M, 2F] and ``da`` [M, F] (N = 2F, F a multiple of
+    G; ``_grad_chunk``), so fc1's BF16 output gradient is never written. RB < G: the tile is walked in
+    RB-row chunks twice (row groups and column amax, then the column quantization from values re-read
+    while they sit in L2), holding an RB x G chunk in registers instead of the whole tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * G + tl.arange(0, G)
+    if RB == G:
+        rows = pid_m * G + tl.arange(0, G)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD, ROUND_BF16,
+                        LIBDEVICE_EXP)
+        _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
+                               inv_max, fmax, eps, UE8M0)
+        amax = tl.maximum(tl.max(tl.abs(d), axis=0), eps)  # per column, over this tile's G tokens
+        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+        q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
+        tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
+    else:
+        camax = tl.zeros((G,), tl.float32)
+        for i in tl.static_range(G // RB):
+            rows = pid_m * G + i * RB + tl.arange(0, RB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD,
+                            ROUND_BF16, LIBDEVICE_EXP)
+            _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm,
+                                   stride_srg, inv_max, fmax, eps, UE8M0)
+            camax = tl.maximum(camax, tl.max(tl.abs(d), axis=0))
+        scale_inv, mult = _scale_and_multiplier(tl.maximum(camax, eps), inv_max, fmax, UE8M0)
+        for i in tl.static_range(G // RB):
+            rows = pid_m * G + i * RB + tl.arange(0, RB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD,
+                            ROUND_BF16, LIBDEVICE_EXP)
+            q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
+            tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
     tl.store(st_ptr + cols * stride_stn + pid_m, scale_inv, mask=cols < N)
 
 
-def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool):
+def dual_quant_plan(swiglu_bwd: bool) -> tuple[int, int]:
+    """(rows per register chunk, warps) of the dual gradient quantizer, for a plain gradient or fc1's from
+    the SwiGLU backward; ``JETRL_DUAL_QUANT_PLAN=rows,warps`` (both) or ``rows,warps/rows,warps`` (plain /
+    SwiGLU) overrides, rows a power of two dividing the group size."""
+    env = os.environ.get("JETRL_DUAL_QUANT_PLAN")
+    if env:
+        parts = env.split("/")
+        try:
+            rb, nw = (int(t) for t in parts[min(int(swiglu_bwd), len(parts) - 1)].split(","))
+        except ValueError:
+            rb = nw = 0
+        if len(parts) > 2 or not (rb > 0 and rb & (rb - 1) == 0 and rb <= 128 and nw in (1, 2, 4, 8, 16)):
+            raise ValueError(f"JETRL_DUAL_QUANT_PLAN={env!r}: expected rows,warps[/rows,warps] with rows a power of "
+                             f"two <= 128 and warps in 1/2/4/8/16, e.g. 32,4/64,8")
+        return rb, nw
+    return (128, 8)
+
+
+def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None):
     G = recipe.group_size
     qr, sr, _ = _act_outputs(M, N, recipe, x.device, scale_col_major)
     qt = torch.empty((N, M), dtype=recipe.dtype, device=x.device)
     st = torch.empty((N, triton.cdiv(M, G)), dtype=torch.float32, device=x.device)
     if M and N:
+        rb, warps = plan or dual_quant_plan(swiglu_bwd)
         _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
             x, da, qr, sr, qt, st, M, N, F, x.stride(0), da.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
-            qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+            qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, RB=min(rb, G),
             UE8M0=recipe.scale_fmt == "ue8m0", SWIGLU_BWD=swiglu_bwd, ROUND_BF16=x.dtype == torch.bfloat16,
-            LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8, enable_fp_fusion=False)
+            LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, enable_fp_fusion=False)
     return qr, sr, qt, st
 
 
-def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False):
+def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, plan=None):
     """A gradient ``d`` [M, N] -> (q [M, N], scale_inv [M, ceil(N/G)], qt [N, M], scale_inv_t [N, ceil(M/G)]):
     ``quantize_act_triton(d)`` and ``quantize_transposed_triton(d, tile_scale=False)`` (the same bytes and
     scales) in one pass over ``d``."""
     d = d if d.stride(-1) == 1 else d.contiguous()
     M, N = d.shape
-    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False)
+    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False, plan=plan)
 
 
-def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False):
+def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
+                                plan=None):
     """``quantize_dual_triton(swiglu_backward_triton(y, da))`` without writing the gradient: fc1's output
     ``y`` [M, 2F] and ``da`` [M, F] -> fc1's dgrad and wgrad operands (the same bytes and scales).
     Needs F to be a multiple of the group size (the two halves do not share a group)."""
@@ -395,7 +446,7 @@ def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Re
     if F % recipe.group_size or da.shape != (M, F):
         raise ValueError(f"swiglu_backward_dual_triton: y [M, 2F] with F a multiple of {recipe.group_size} and "
                          f"da [M, F] expected, got {tuple(y.shape)} and {tuple(da.shape)}")
-    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True)
+    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True, plan=plan)
 
 
 @triton.jit
