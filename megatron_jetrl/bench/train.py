@@ -54,6 +54,8 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
     out = {k: statistics.median(v) for k, v in times.items()}
     out["phase"] = out["logprob"] + out["train"]
     out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    # the caching allocator's retries (cudaFree of cached blocks, then again): a sign the slice is too large
+    out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     if profile:  # one more training step under the profiler: GPU kernel time by kernel
         from megatron_jetrl.bench.timing import kernel_table
 
@@ -110,12 +112,12 @@ def main(argv=None) -> list[dict]:
     print(f"# {args.preset}, {args.tokens_per_step} tokens per step, micro-batch {args.micro_batch}, "
           f"{torch.cuda.get_device_name()}")
     print("| layers | seq | bf16 phase s | jet phase s | phase speedup | logprob speedup | fwd/bwd+opt speedup | "
-          "jet re-quant s | peak GiB bf16 / jet |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "jet re-quant s | peak GiB bf16 / jet | allocator retries bf16 / jet |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['seq']} | {r['bf16_phase']:.3f} | {r['jet_phase']:.3f} | {r['phase_speedup']:.2f}x | "
               f"{r['logprob_speedup']:.2f}x | {r['train_speedup']:.2f}x | {r['jet_requant']:.3f} | "
-              f"{r['bf16_peak_GiB']:.1f} / {r['jet_peak_GiB']:.1f} |")
+              f"{r['bf16_peak_GiB']:.1f} / {r['jet_peak_GiB']:.1f} | {r['bf16_alloc_retries']} / {r['jet_alloc_retries']} |")
     dump_json(args.json, rows)
     return rows
 

@@ -324,7 +324,10 @@ def _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam
     ``_swiglu_bwd_kernel`` computes it from fc1's output [gate | up] and ``da`` (the same operations in the
     same order; no FMA: see the launch), rounded to the BF16 gradient's bytes when ROUND_BF16."""
     if SWIGLU_BWD:
-        c = cols % F  # the column of gate/up/da: dgate where cols < F, dup past it
+        c0 = pid_n * G  # this tile's first column of gate/up/da: dgate below F, dup from F on
+        if c0 >= F:
+            c0 -= F
+        c = c0 + tl.arange(0, G)  # (not cols % F: contiguous offsets, so the loads stay vectorized)
         base = x_ptr + rows[:, None] * stride_xm + c[None, :]
         gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         da = tl.load(da_ptr + rows[:, None] * stride_dam + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -407,7 +410,9 @@ def dual_quant_plan(swiglu_bwd: bool) -> tuple[int, int]:
             raise ValueError(f"JETRL_DUAL_QUANT_PLAN={env!r}: expected rows,warps[/rows,warps] with rows a power of "
                              f"two <= 128 and warps in 1/2/4/8/16, e.g. 32,4/64,8")
         return rb, nw
-    return (128, 8)
+    # H200 sweep (tools/tune_dual_quant.py, docs/benchmarks.md): the whole 128x128 tile in registers; 4 warps for
+    # a plain gradient (1.25-1.28x the two separate quantizers at 4096 x 4096 / 6144), 8 for the SwiGLU form
+    return (128, 8) if swiglu_bwd else (128, 4)
 
 
 def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None):
