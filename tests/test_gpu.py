@@ -621,8 +621,8 @@ def test_swiglu_backward_dual_equals_two_kernels(M, F, dtype):
 
 def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single, monkeypatch):
     """The tiny model in BF16 on the H200 with head_dim 128 (the fused QKV trains in Megatron block order):
-    gradients with the one-pass gradient quantizers and fc2 -> fc1 hand-off equal those of one quantizer
-    per operand (``JETRL_FUSED_DY_QUANT=0``) bit for bit; the per-step refresh writes every FP8 cache in
+    gradients with the one-pass gradient quantizers equal those with the fc2 -> fc1 hand-off
+    (``JETRL_SWIGLU_GRAD_LINK=1``) and of one quantizer per operand (``JETRL_FUSED_DY_QUANT=0``) bit for bit; the per-step refresh writes every FP8 cache in
     place (same storage) with the bytes and scales of the torch quantizer, the QKV's training-order copy
     too."""
     import os
@@ -640,14 +640,17 @@ def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 256), device="cuda")
     pos = torch.arange(256, device="cuda").expand(2, 256)
     grads = {}
-    for flag in ("1", "0"):
+    for flag, link in (("1", "0"), ("1", "1"), ("0", "0")):
         monkeypatch.setenv("JETRL_FUSED_DY_QUANT", flag)
+        monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", link)
         model.zero_grad()
         model(tokens, pos, None).float().square().mean().backward()
-        grads[flag] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert grads["1"].keys() == grads["0"].keys() and len(grads["1"]) > 10
-    for n, g in grads["1"].items():
-        assert torch.equal(g, grads["0"][n]), n
+        grads[flag, link] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(grads["1", "0"]) > 10
+    for key in (("1", "1"), ("0", "0")):
+        assert grads[key].keys() == grads["1", "0"].keys()
+        for n, g in grads["1", "0"].items():
+            assert torch.equal(g, grads[key][n]), (key, n)
     fp8 = [m for m in model.modules() if isinstance(m, FP8LinearMixin)]
     assert any(m.fp8_cache._train is not None for m in fp8)
     ptrs = [(m.fp8_cache.qweight.data_ptr(), m.fp8_cache.scale_inv.data_ptr()) for m in fp8]

@@ -415,11 +415,12 @@ def test_jet_mlp_fuses_swiglu_only_when_fc2_runs_fp8(fuse, megatron_single):
 
 
 def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
-    """Training through JetMLP: fc2's backward quantizes fc1's output gradient both ways in one pass
-    (``quant.swiglu_backward_dual``) and fc1's backward uses those operands; the BF16 gradient of fc1's
-    output is never formed. Gradients (fc1, fc2, the MLP input) are bit-equal to the unfused path
-    (``JETRL_FUSED_DY_QUANT=0``: ``swiglu_backward`` + one quantizer per operand); a bias added between fc1
-    and fc2 keeps the unfused path (the link needs fc1's output as is)."""
+    """Training through JetMLP with ``JETRL_SWIGLU_GRAD_LINK=1``: fc2's backward quantizes fc1's output
+    gradient both ways in one pass (``quant.swiglu_backward_dual``) and fc1's backward uses those operands;
+    the BF16 gradient of fc1's output is never formed. Gradients (fc1, fc2, the MLP input) are bit-equal to
+    the default path (``swiglu_backward``, then the one-pass quantizer) and to one quantizer per operand
+    (``JETRL_FUSED_DY_QUANT=0``); a bias added between fc1 and fc2 keeps the unlinked path (the link needs
+    fc1's output as is)."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.builder import build_model
     from megatron_jetrl.precision import linear as lin
@@ -457,19 +458,22 @@ def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return [x.grad.clone(), mlp.linear_fc1.weight.grad.clone(), mlp.linear_fc2.weight.grad.clone()]
 
+    default = grads()  # the link is off by default
+    assert calls == {"dual": 0, "bwd": 1}
+    monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", "1")
     fused = grads()
-    assert calls == {"dual": 1, "bwd": 0} and mlp.linear_fc1.swiglu_grad_link is None
-    monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")
+    assert calls == {"dual": 1, "bwd": 1} and mlp.linear_fc1.swiglu_grad_link is None
+    monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")  # also turns the link off
     unfused = grads()
-    assert calls == {"dual": 1, "bwd": 1}
-    for a, b in zip(fused, unfused):
-        assert torch.equal(a, b) and a.abs().sum() > 0
+    assert calls == {"dual": 1, "bwd": 2}
+    for a, b, c in zip(fused, unfused, default):
+        assert torch.equal(a, b) and torch.equal(a, c) and a.abs().sum() > 0
     monkeypatch.delenv("JETRL_FUSED_DY_QUANT")
     # y = fc1(x) + bias: fc2's input is not fc1's output tensor, so no hand-off
     real_fc1 = mlp.linear_fc1.forward
     monkeypatch.setattr(mlp.linear_fc1, "forward", lambda h: (real_fc1(h)[0], torch.zeros(())))
     with_bias = grads()
-    assert calls == {"dual": 1, "bwd": 2}
+    assert calls == {"dual": 1, "bwd": 3}
     for a, b in zip(with_bias, unfused):
         assert torch.equal(a, b)
     link = lin.SwigluGradLink()

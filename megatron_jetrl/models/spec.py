@@ -107,8 +107,8 @@ class JetMLP(MLP):
                 or cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset != 0):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1 = self.linear_fc1
-        # training: fc2's backward may hand fc1's backward its output gradient already quantized
-        # (precision.linear.SwigluGradLink); the link is taken only if fc2 gets fc1's FP8 output as is
+        # training with JETRL_SWIGLU_GRAD_LINK=1: fc2's backward may hand fc1's backward its output gradient
+        # already quantized (precision.linear.SwigluGradLink); taken only if fc2 gets fc1's FP8 output as is
         link = SwigluGradLink() if torch.is_grad_enabled() and getattr(fc1, "fp8_state", None) is state else None
         fc1.swiglu_grad_link = fc2.swiglu_grad_link = link
         try:

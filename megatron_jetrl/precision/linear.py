@@ -240,10 +240,19 @@ def _main_grad_target(ctx, inv_perm, a, b):
 
 
 def fused_dy_quant() -> bool:
-    """Whether the FP8 backward quantizes each output gradient both ways in one pass (and a gated MLP's fc2
-    hands fc1 its gradient already quantized); ``JETRL_FUSED_DY_QUANT=0``: one quantizer per operand
+    """Whether the FP8 backward quantizes each output gradient both ways in one pass (``quant.quantize_dual``;
+    1.25-1.28x the two separate quantizers on the H200); ``JETRL_FUSED_DY_QUANT=0``: one quantizer per operand
     (the same bytes, for timing the difference)."""
     return os.environ.get("JETRL_FUSED_DY_QUANT", "1") != "0"
+
+
+def swiglu_grad_link() -> bool:
+    """Whether a gated MLP's fc2 hands fc1 its output gradient already quantized (``SwigluGradLink``). Off
+    unless ``JETRL_SWIGLU_GRAD_LINK=1``: the same bytes, but its one-pass kernel (SwiGLU backward + both
+    quantizations, ``triton_quant.swiglu_backward_dual_triton``) measured 0.74x the SwiGLU-backward kernel
+    followed by the separate quantizers on the H200 (0.51 vs 0.38 ms at 4096 x 2 x 14336; docs/benchmarks.md),
+    so the default is the SwiGLU-backward kernel followed by the one-pass quantizer."""
+    return fused_dy_quant() and os.environ.get("JETRL_SWIGLU_GRAD_LINK", "0") == "1"
 
 
 class SwigluGradLink:
@@ -420,7 +429,7 @@ class FP8LinearMixin:
                 link_ok, link.y = link.y is input and inv_perm is None, None
             else:  # fc1: its dy can come pre-quantized (no row permutation, FP8 wgrad)
                 link_ok = inv_perm is None and bias is None and self.fp8_state.recipe.wgrad == "fp8"
-            link = link if link_ok and torch.is_grad_enabled() and fused_dy_quant() else None
+            link = link if link_ok and torch.is_grad_enabled() and swiglu_grad_link() else None
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
                        self.fp8_state.fuse_wgrad_accumulation, link)
         if link is not None and not self.swiglu_input:
