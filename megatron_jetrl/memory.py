@@ -97,3 +97,23 @@ def grad_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 def model_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters, their gradient buffers and FP8 weight caches."""
     return param_tensors(module) + grad_tensors(module)
+
+
+def freeze_python_gc() -> int:
+    """Collect once, then move every live Python object into the permanent generation (``gc.freeze``):
+    later full collections scan only objects created after this call. Returns how many were frozen.
+    Frozen objects are still freed by reference counting; only cyclic garbage among them waits for
+    :func:`unfreeze_python_gc` (call it before dropping a frozen model, or its cycles keep device memory)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def unfreeze_python_gc() -> None:
+    """Undo :func:`freeze_python_gc` (the objects go back to the oldest generation) and collect."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()

@@ -42,6 +42,7 @@ class Run:
     start_step: int
     ckpt_dir: str
     scheduler: object = None
+    gc_frozen: int = 0  # Python objects frozen at setup (``gc_freeze``); unfrozen by close()
 
 
 def export_options(cfg: JetConfig, recipe: FP8Recipe) -> ExportOptions:
@@ -161,6 +162,10 @@ def setup(cfg: JetConfig) -> Run:
     if engine is None:  # last: a fleet starts from the trainer's current weights, written to the run dir
         model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
         run.engine = start_fleet(cfg, recipe, model_dir)
+    if cfg.gc_freeze:
+        from megatron_jetrl.memory import freeze_python_gc
+
+        run.gc_frozen = freeze_python_gc()
     return run
 
 
@@ -316,3 +321,8 @@ def close(run: Run) -> None:
         run.engine.shutdown()
     if run.logger:
         run.logger.close()
+    if run.gc_frozen:  # the run's objects become collectable again (a caller may build another model next)
+        from megatron_jetrl.memory import unfreeze_python_gc
+
+        unfreeze_python_gc()
+        run.gc_frozen = 0

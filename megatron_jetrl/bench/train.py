@@ -29,6 +29,10 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), dtype,
                                cfg.precision.backend)
     actor = Actor(model, state, cfg.algo, cfg.parallel, dtype, total_steps=steps + 1)
+    if cfg.gc_freeze:  # as the trainer does after setup (config: gc_freeze)
+        from megatron_jetrl.memory import freeze_python_gc
+
+        freeze_python_gc()
     dev = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (n_seqs, seq + 1), generator=g).to(dev)
@@ -72,6 +76,7 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
                          f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
+    gc.unfreeze()  # the model's cycles must be collectable before the next mode builds its own
     gc.collect()
     torch.cuda.empty_cache()
     return out
