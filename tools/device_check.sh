@@ -4,7 +4,8 @@
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
-# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends.
+# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends; part
+# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
