@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_jetrl.precision.linear import FP8LinearMixin, SwigluGradLink
+from megatron_jetrl.precision.linear import FP8LinearMixin, SwigluGradLink, swiglu_grad_link
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -109,7 +109,8 @@ class JetMLP(MLP):
         fc1 = self.linear_fc1
         # training with JETRL_SWIGLU_GRAD_LINK=1: fc2's backward may hand fc1's backward its output gradient
         # already quantized (precision.linear.SwigluGradLink); taken only if fc2 gets fc1's FP8 output as is
-        link = SwigluGradLink() if torch.is_grad_enabled() and getattr(fc1, "fp8_state", None) is state else None
+        link = (SwigluGradLink() if torch.is_grad_enabled() and swiglu_grad_link()
+                and getattr(fc1, "fp8_state", None) is state else None)
         fc1.swiglu_grad_link = fc2.swiglu_grad_link = link
         try:
             y, bias = fc1(hidden_states)

@@ -3,7 +3,8 @@
 Forward: x -> 1x128 FP8 (dynamic), weight -> cached 128x128 FP8, one block GEMM, BF16 out.
 Backward: dgrad in FP8 (dy in 1x128 groups along N, the *same* cached weight bytes through a
 transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along tokens, x re-blocked
-128x128 from the saved FP8 activations) or BF16 per recipe; under megatron's DDP the FP8 wgrad adds its
+128x128 from the saved FP8 activations) or BF16 per recipe; with an FP8 wgrad both of dy's operands come
+from one pass over dy (``quant.quantize_dual``); under megatron's DDP the FP8 wgrad adds its
 fp32 result straight into the weight's fp32 ``main_grad`` (gradient-accumulation fusion,
 ``precision/cublaslt.py``). Only the FP8 activations and their scales are saved for backward.
 Gradients between ops stay BF16; fp32 master weights stay in the optimizer.
@@ -98,7 +99,7 @@ class FP8WeightCache:
         w = weight.detach()
         if self.perm is not None:
             w = w.index_select(0, self.perm.to(w.device))
-        if w.is_cuda and self._holds(w):
+        if w.is_cuda and self._holds(w, state.recipe):
             # quantized straight into the cache's buffers (no temporaries, no concatenation); the
             # training-order copy straight from the Megatron-order weight (the same blocks and scales)
             from megatron_jetrl.precision.triton_quant import quantize_weight_triton
@@ -115,9 +116,11 @@ class FP8WeightCache:
         self.version = state.version
         self.refreshes += 1
 
-    def _holds(self, w: torch.Tensor) -> bool:
-        """Whether the cache's buffers exist on ``w``'s device in ``w``'s shape (refresh writes into them)."""
+    def _holds(self, w: torch.Tensor, recipe: FP8Recipe) -> bool:
+        """Whether the cache's buffers exist on ``w``'s device in ``w``'s shape and the recipe's dtypes (refresh
+        writes into them)."""
         return (self.qweight is not None and self.qweight.device == w.device and self.qweight.shape == w.shape
+                and self.qweight.dtype == recipe.dtype and self.scale_inv.dtype == torch.float32
                 and self.scale_inv.shape[0] == sum(-(-n // self.block_rows) for n in self.sub_rows))
 
     @torch.no_grad()
