@@ -2,7 +2,7 @@
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
-# GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
+# GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends; part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT).
@@ -41,7 +41,7 @@ if want step; then
 fi
 if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
   timeout ${BT_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench train --layers ${BT_LAYERS:-8} --seqs ${BT_SEQS:-4096} \
-    --steps 2 ${BT_PROFILE---profile} --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
+    --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
