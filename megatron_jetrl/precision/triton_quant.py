@@ -327,7 +327,7 @@ def _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam
         c0 = pid_n * G  # this tile's first column of gate/up/da: dgate below F, dup from F on
         if c0 >= F:
             c0 -= F
-        c = c0 + tl.arange(0, G)  # (not cols % F: contiguous offsets, so the loads stay vectorized)
+        c = c0 + tl.arange(0, G)  # offsets the compiler sees as contiguous (cols % F would hide that)
         base = x_ptr + rows[:, None] * stride_xm + c[None, :]
         gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         da = tl.load(da_ptr + rows[:, None] * stride_dam + c[None, :], mask=mask, other=0.0).to(tl.float32)
