@@ -62,7 +62,6 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
     out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     if profile:  # one more training step under the profiler: GPU kernel time by kernel
         from megatron_jetrl.bench.timing import kernel_table
-
         from megatron_jetrl.precision.linear import refresh_fp8_weights
 
         table = kernel_table(lambda: actor.train_step(batch), 1,
@@ -76,8 +75,12 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
                          f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
-    gc.unfreeze()  # the model's cycles must be collectable before the next mode builds its own
-    gc.collect()
+    if cfg.gc_freeze:  # the model's cycles must be collectable before the next mode builds its own
+        from megatron_jetrl.memory import unfreeze_python_gc
+
+        unfreeze_python_gc()
+    else:
+        gc.collect()
     torch.cuda.empty_cache()
     return out
 
