@@ -190,8 +190,10 @@ class PrecisionConfig:
     measured on the H200 (docs/benchmarks.md); ``jetrl bench linear --decode`` prints it for
     your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
     fuse_swiglu: bool = True
-    """FP8 MLPs: run fc2's SwiGLU inside its activation quantizer (one pass over fc1's output, no
-    BF16 activation written; same FP8 bytes as the unfused ops)."""
+    """Gated MLPs, every mode: FP8 fc2 runs the SwiGLU inside its activation quantizer (one pass over
+    fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a
+    one-kernel SwiGLU each way (same forward bytes as megatron-core's eager silu * mul). false:
+    megatron-core's unfused activation."""
     fuse_wgrad_accumulation: bool = True
     """Weight gradients in every mode: the wgrad GEMM adds its fp32 result straight into megatron's fp32
     ``main_grad`` (TransformerEngine's and APEX's gradient-accumulation fusion) instead of returning a

@@ -253,6 +253,21 @@ def test_fused_swiglu_quant_bit_identical(M, F, dtype, scale_fmt):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,F", [(4096, 14336), (33, 300)])
+def test_one_kernel_swiglu_equals_eager(M, F, dtype):
+    """The BF16 MLP's SwiGLU (``quant.swiglu_fused``: one Triton pass forward, the fused backward) writes the
+    bytes of torch's eager ``silu(gate) * up`` and its gradient is ``swiglu_backward``'s."""
+    from megatron_jetrl.precision.quant import swiglu, swiglu_backward, swiglu_fused
+
+    y = (_x((M, 2 * F), dtype) * 2).requires_grad_()
+    a = swiglu_fused(y)
+    assert a.dtype == dtype and torch.equal(a, swiglu(y.detach()))
+    da = _x((M, F), dtype, seed=1)
+    a.backward(da)
+    assert torch.equal(y.grad, swiglu_backward(y.detach(), da))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,F", [(4096, 14336), (33, 300)])
 def test_swiglu_backward_kernel_equals_torch(M, F, dtype):
     """The fused SwiGLU backward (one Triton pass) vs its torch fp32 statement: same fp32 operations
     in the same order (libdevice expf, IEEE division, no FMA), so equal bytes but for exp's last bit

@@ -409,9 +409,49 @@ def test_jet_mlp_fuses_swiglu_only_when_fc2_runs_fp8(fuse, megatron_single):
     assert torch.equal(outs[True][0], outs[False][0])
     assert _rel(outs[True][1], outs[False][1]) < 1e-5
     state.fuse_swiglu = fuse  # the setting only changes the path, not the numbers (checked above)
-    state.forward_fp8 = False  # bf16 forward: megatron-core's MLP, fc2 never sees [gate | up]
+    state.forward_fp8 = False  # bf16 forward: fc2 never sees [gate | up]
     out, _ = mlp(x)
     assert out.shape == outs[True][0].shape and not mlp.linear_fc2.swiglu_input
+
+
+def _graph_names(out, limit=50):
+    names, node = set(), out.grad_fn
+    while node is not None and len(names) < limit:
+        names.add(type(node).__name__)
+        node = node.next_functions[0][0] if node.next_functions else None
+    return names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_mlp_runs_the_one_kernel_swiglu(dtype, megatron_single):
+    """BF16 fc2 (FP8 off: the bf16 / fp8_rollout training path) with precision.fuse_swiglu on: the SwiGLU is
+    ``quant.swiglu_fused`` (one kernel each way on CUDA) instead of megatron-core's eager silu/mul/cat; the
+    output is bit-equal to megatron-core's MLP (fuse_swiglu off) and the gradients agree (the fused backward
+    computes in fp32 where eager BF16 autograd rounds between its ops)."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=bf16"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), dtype,
+                               backend="emulated")
+    mlp = model.decoder.layers[0].mlp
+    assert not mlp.linear_fc2.fp8_active()
+    x = torch.randn(9, 2, cfg.model.hidden_size, dtype=dtype)
+    res = {}
+    for fuse in (True, False):
+        state.fuse_swiglu = fuse
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        out, _ = mlp(xi)
+        names = _graph_names(out)
+        out.float().square().sum().backward()
+        res[fuse] = (out.detach(), xi.grad, mlp.linear_fc1.weight.grad.clone(), names)
+    assert "_SwigluFunctionBackward" in res[True][3] and "_SwigluFunctionBackward" not in res[False][3]
+    assert torch.equal(res[True][0], res[False][0])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(res[True][1].float(), res[False][1].float()) < tol
+    assert _rel(res[True][2].float(), res[False][2].float()) < tol
 
 
 def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
@@ -493,11 +533,15 @@ def test_fused_swiglu_quant_kernel_under_the_interpreter():
 import numpy as np
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import quantize_act_triton, swiglu_quant_triton
+from megatron_jetrl.precision.triton_quant import quantize_act_triton, swiglu_quant_triton, swiglu_triton
 def swiglu(y):
     g, u = y.chunk(2, -1)
     g = g.numpy()
     return torch.from_numpy(g / (np.float32(1) + np.exp(-g))) * u
+for M, F in ((37, 300), (4, 256), (1, 1000)):  # the BF16 path's one-kernel SwiGLU (fp32 here: exact)
+    y = torch.randn(M, 2 * F, generator=torch.Generator().manual_seed(M)) * 3
+    assert torch.equal(swiglu_triton(y), swiglu(y)), (M, F)
+    assert torch.equal(swiglu_triton(y.view(1, M, 2 * F)), swiglu(y).view(1, M, F))
 for fmt in ("fp32", "ue8m0"):
     r = FP8Recipe(mode="jet", scale_fmt=fmt)
     for M, F in ((37, 300), (4, 256)):
@@ -831,6 +875,7 @@ def ddp_main_grads_fused_vs_unfused(model, state, batches, pos, steps: int = 2) 
                     ddp(tokens, pos, None, labels=tokens).float().mean().backward()
                 flags = [w.grad_added_to_main_grad for w in fused_weights]
                 flags.append(model.output_layer.weight.grad_added_to_main_grad)  # megatron's BF16 LM head
+                flags.append(model.embedding.word_embeddings.weight.grad_added_to_main_grad)  # the input embedding
                 assert all(flags) if fuse else not any(flags)
                 assert len(calls) == (len(batches) * len(fused_weights) if fuse else 0)
                 assert all(p.grad is None for p in model.parameters())  # placeholders dropped by the hook
@@ -863,6 +908,33 @@ def test_fp8_wgrad_accumulates_into_megatron_main_grad(megatron_single):
             got = grads[True, step][n]
             assert ref.abs().sum() > 0, n
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (n, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_gradient_goes_into_main_grad_unless_tied(tied, megatron_single):
+    """The untied input embedding's backward adds its rows into ``main_grad`` (``grad_accum._EmbeddingIntoMainGrad``;
+    the same main_grads as the dense gradient: checked with the linears in the test above); a weight tied to the
+    LM head keeps megatron-core's forward, and switching the fusion off restores it."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.models.grad_accum import enable
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
+                      ["precision.mode=bf16", f"model.tie_word_embeddings={str(tied).lower()}"])
+    model, _ = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                           backend="emulated")
+    emb = model.embedding.word_embeddings
+    enable(model, True)
+    assert ("forward" in emb.__dict__) == (not tied)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    out = emb(tokens)
+    assert torch.equal(out, torch.nn.functional.embedding(tokens, emb.weight))
+    assert ("_EmbeddingIntoMainGradBackward" in _graph_names(out)) == (not tied)
+    out.sum().backward()  # outside DDP (no main_grad): the dense gradient, as megatron's path gives it
+    ref = torch.zeros_like(emb.weight).index_add_(0, tokens.reshape(-1), torch.ones(16, emb.weight.shape[1]))
+    assert torch.equal(emb.weight.grad, ref)
+    enable(model, False)
+    assert "forward" not in emb.__dict__
 
 
 def test_grad_accum_fusion_probe_follows_device_and_dtype(megatron_single):

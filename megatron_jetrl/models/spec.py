@@ -94,19 +94,33 @@ def sdpa_backend(device: torch.device):
 
 
 class JetMLP(MLP):
-    """megatron-core's MLP; when fc2 runs FP8 and the activation is SwiGLU, fc2 receives fc1's
-    output and fuses the SwiGLU into its activation quantizer (``FP8SwigluLinearFunction``: one pass
-    over [gate | up], no BF16 activation written). Same bytes as the unfused path; everything else
-    (BF16 modes, other activations, per-token scales, clamps) is megatron-core's forward."""
+    """megatron-core's MLP with the SwiGLU fused, in every precision mode (``precision.fuse_swiglu``):
+
+    - fc2 in FP8: fc2 receives fc1's output and runs the SwiGLU inside its activation quantizer
+      (``FP8SwigluLinearFunction``: one pass over [gate | up], no BF16 activation written);
+    - fc2 in BF16 (``bf16`` / ``fp8_rollout`` training, FP8 off): the SwiGLU is one kernel each way
+      (``quant.swiglu_fused``) where megatron-core's unfused MLP runs silu, mul, their backwards and a cat
+      (what TransformerEngine's or megatron's fused activation give a BF16 run, so the BF16 baseline is not
+      slowed by an unfused activation the FP8 path does not have).
+
+    Same forward bytes as megatron-core's eager ops; everything else (other activations, per-token scales,
+    clamps, ``fuse_swiglu=false``) is megatron-core's forward."""
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         fc2, cfg = self.linear_fc2, self.config
         state = getattr(fc2, "fp8_state", None)
-        if (per_token_scale is not None or state is None or not state.fuse_swiglu or not fc2.fp8_active()
+        if (per_token_scale is not None or not getattr(state, "fuse_swiglu", True)
                 or not cfg.gated_linear_unit or cfg.activation_func is not F.silu or cfg.use_te_activation_func
                 or cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset != 0):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1 = self.linear_fc1
+        if state is None or not fc2.fp8_active():  # BF16 fc2: the one-kernel SwiGLU between the linears
+            from megatron_jetrl.precision.quant import swiglu_fused
+
+            y, bias = fc1(hidden_states)
+            if bias is not None:
+                y = y + bias
+            return fc2(swiglu_fused(y))
         # training with JETRL_SWIGLU_GRAD_LINK=1: fc2's backward may hand fc1's backward its output gradient
         # already quantized (precision.linear.SwigluGradLink); taken only if fc2 gets fc1's FP8 output as is
         link = (SwigluGradLink() if torch.is_grad_enabled() and swiglu_grad_link()

@@ -90,6 +90,32 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+class _SwigluFunction(torch.autograd.Function):
+    """``swiglu(y)`` with the fused backward: forward one Triton pass on CUDA (the eager ops' bytes), backward
+    :func:`swiglu_backward` (one pass, fp32 math). Saves only ``y``."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        if y.is_cuda and y.dtype in (torch.bfloat16, torch.float32):
+            from megatron_jetrl.precision.triton_quant import swiglu_triton
+
+            return swiglu_triton(y)
+        return swiglu(y)
+
+    @staticmethod
+    def backward(ctx, da):
+        (y,) = ctx.saved_tensors
+        return swiglu_backward(y, da)
+
+
+def swiglu_fused(y: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation for BF16 linears (``models.spec.JetMLP``): ``swiglu(y)``'s values with one
+    kernel each way, where megatron-core's unfused MLP runs ~6 eager kernels (silu, mul, their backwards, a
+    cat) over strided halves. The FP8 fc2 fuses the SwiGLU into its quantizer instead."""
+    return _SwigluFunction.apply(y)
+
+
 def swiglu_backward(y: torch.Tensor, da: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
     """Gradient of ``swiglu(y)`` w.r.t. ``y = [gate | up]`` given ``da`` (the gradient of the
     activation), computed in fp32 and returned in ``y``'s dtype. On CUDA one Triton pass
