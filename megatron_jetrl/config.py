@@ -194,6 +194,18 @@ class PrecisionConfig:
     fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a
     one-kernel SwiGLU each way (same forward bytes as megatron-core's eager silu * mul). false:
     megatron-core's unfused activation."""
+    release_bf16_weights: bool = True
+    """``jet`` training: free the BF16 copies of the FP8 linears' weights from the FP8 re-quantization to the
+    next optimizer step (forward and backward read only the FP8 cache; the step writes the BF16 weights anew
+    from the fp32 masters), as TransformerEngine's FP8 parameters do: 2 bytes per FP8-linear parameter off the
+    forward/backward peak (9.8 GiB on 24 Llama-3.1-8B layers). Checkpoints restore them first. Needs a
+    mixed-precision optimizer with standalone parameters (not megatron's distributed optimizer, whose
+    parameters live in one buffer): elsewhere nothing is released."""
+    cache_dgrad_weights: bool = True
+    """``jet`` training: dgrad's FP8 GEMM reads the weight K-major (the transpose of the forward's bytes); make
+    that copy once per step and share it across the micro-batches instead of one transpose per micro-batch
+    (kept from the first backward to the end of the step's backward: 1 byte per FP8-linear parameter, less
+    than ``release_bf16_weights`` frees)."""
     fuse_wgrad_accumulation: bool = True
     """Weight gradients in every mode: the wgrad GEMM adds its fp32 result straight into megatron's fp32
     ``main_grad`` (TransformerEngine's and APEX's gradient-accumulation fusion) instead of returning a

@@ -66,6 +66,12 @@ class Offloader:
         return n
 
 
+def is_released(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a released weight's placeholder (``Actor.release_weights``: one element expanded to the
+    weight's shape, so its values are not the weight's)."""
+    return t.numel() > 1 and not any(t.stride())
+
+
 def optimizer_tensors(opt) -> list[torch.Tensor]:
     """Every tensor a Megatron optimizer (plain, mixed-precision, distributed or chained) holds:
     master parameters and the torch optimizer's state (Adam moments)."""

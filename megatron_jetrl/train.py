@@ -120,6 +120,8 @@ def setup(cfg: JetConfig) -> Run:
     fp8_state.small_m_max = cfg.precision.small_m_max
     fp8_state.fuse_swiglu = cfg.precision.fuse_swiglu
     fp8_state.fuse_wgrad_accumulation = cfg.precision.fuse_wgrad_accumulation
+    fp8_state.release_bf16_weights = cfg.precision.release_bf16_weights
+    fp8_state.cache_dgrad_weights = cfg.precision.cache_dgrad_weights
     if cfg.model.hf_path and not cfg.checkpoint.load_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps + cfg.algo.sft_warmup_steps

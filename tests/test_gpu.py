@@ -685,3 +685,34 @@ def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single
             qr, sr = quantize_weight(m.weight.detach(), state.recipe, use_triton=False)
             assert _same(c._train[0], qr) and torch.equal(c._train[1], sr)
             assert _same(c.train_order(m.weight, state)[0], qr)  # current: no second reorder
+
+
+def test_dgrad_weight_cache_on_gpu(megatron_single):
+    """precision.cache_dgrad_weights on the H200 (scaled_mm, bf16 parameters, the fused QKV in training order):
+    the step's one K-major copy per weight gives the gradients of the per-micro-batch transposes bit for bit."""
+    import os
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision.linear import FP8LinearMixin, drop_dgrad_weights
+    from tests.test_precision import REPO
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.bfloat16,
+                               backend="auto")
+    assert state.backend == "scaled_mm"
+    lin = [m for m in model.modules() if isinstance(m, FP8LinearMixin)]
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, 256), generator=g).cuda() for _ in range(2)]
+    pos = torch.arange(256, device="cuda").expand(2, 256)
+    grads = {}
+    for on in (True, False):
+        state.cache_dgrad_weights = on
+        model.zero_grad()
+        for tokens in batches:
+            model(tokens, pos, None, labels=tokens).float().mean().backward()
+        assert all((m.fp8_cache._t is not None) is on for m in lin)
+        grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        drop_dgrad_weights(model)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))

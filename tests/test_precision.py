@@ -954,3 +954,49 @@ def test_grad_accum_fusion_probe_follows_device_and_dtype(megatron_single):
         n = grad_accum.enable(model)
         flags = {m.gradient_accumulation_fusion for m in _megatron_linears(model)}
         assert (n > 0) == expect_on and flags == {expect_on}, (dtype, n, flags)
+
+
+def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
+    """precision.cache_dgrad_weights: dgrad's K-major FP8 weight is made on a linear's first backward of the step
+    and reused by the later micro-batches (the same tensor), the gradients equal the per-micro-batch transpose
+    path's, and ``drop_dgrad_weights`` frees the copies; a new version of the weights (refresh) makes a new one."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision.linear import FP8LinearMixin, drop_dgrad_weights, refresh_fp8_weights
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    lin = [m for m in model.modules() if isinstance(m, FP8LinearMixin)]
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (1, 16), generator=g) for _ in range(2)]
+    pos = torch.arange(16).expand(1, 16)
+    grads = {}
+    for on in (True, False):
+        state.cache_dgrad_weights = on
+        model.zero_grad()
+        seen = []
+        for tokens in batches:
+            model(tokens, pos, None, labels=tokens).float().mean().backward()
+            seen.append([m.fp8_cache._t for m in lin])
+        if on:
+            assert all(t is not None for t in seen[0]) and all(a is b for a, b in zip(*seen))
+            q, _ = lin[0].fp8_weight()
+            assert torch.equal(seen[0][0].view(torch.uint8), q.view(torch.uint8).t())
+        else:
+            assert all(t is None for t in seen[0] + seen[1])
+        grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        drop_dgrad_weights(model)
+        assert all(m.fp8_cache._t is None for m in lin)
+    assert len(grads[True]) == len(grads[False]) and all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    state.cache_dgrad_weights = True
+    model(batches[0], pos, None, labels=batches[0]).float().mean().backward()
+    first = lin[0].fp8_cache._t
+    with torch.no_grad():
+        lin[0].weight.mul_(2.0)
+    refresh_fp8_weights(model, state)
+    model(batches[0], pos, None, labels=batches[0]).float().mean().backward()
+    assert lin[0].fp8_cache._t is not first
+    q, _ = lin[0].fp8_weight()
+    assert torch.equal(lin[0].fp8_cache._t.view(torch.uint8), q.view(torch.uint8).t())

@@ -347,3 +347,63 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monkeypatch):
+    """``precision.release_bf16_weights`` (jet, BF16 parameters): after each step the FP8 linears' BF16 weights
+    are placeholders (the forward and backward read only the FP8 cache) and the next step writes them anew from
+    the fp32 masters. Two RL steps (SFT warm-up, rollout through the in-process engine, train) and a checkpoint
+    give the same numbers as with the setting off: metrics, fp32 masters, FP8 caches, and the BF16 weights
+    restored (what the checkpoint holds). A skipped optimizer step puts the old bytes back; a stale refresh or
+    a BF16 export of a released weight fails with a message instead of reading the placeholder."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.memory import is_released, optimizer_tensors
+    from megatron_jetrl.precision.linear import FP8LinearMixin
+    from megatron_jetrl.sync.export import ExportOptions, collect_hf_state_dict
+    from megatron_jetrl.train import close, rl_step, setup, sft_step
+    from megatron_jetrl.trainer.checkpoint import save_checkpoint
+
+    res = {}
+    for release in (True, False):
+        cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
+                          [f"logging.run_dir={tmp_path / str(release)}", "steps=2", "algo.sft_warmup_steps=1",
+                           "rollout.prompts_per_step=2", "precision.mode=jet", "precision.params_dtype=bf16",
+                           f"precision.release_bf16_weights={str(release).lower()}"])
+        run = setup(cfg)
+        try:
+            actor = run.actor
+            lin = [m for m in actor.module.modules() if isinstance(m, FP8LinearMixin)]
+            assert (len(actor._releasable) == len(lin)) is release
+            metrics = [sft_step(run), rl_step(run, 0)]
+            ws = [m.weight for m in lin]
+            assert all(is_released(w) for w in ws) is release and not any(is_released(w) for w in ws) is not release
+            if release:
+                with pytest.raises(RuntimeError, match="released"):
+                    lin[0].fp8_cache.refresh(lin[0].weight, run.actor.fp8_state)
+                with pytest.raises(RuntimeError, match="released"):
+                    collect_hf_state_dict(actor.module, cfg.model, ExportOptions(fp8=False))
+            metrics.append(rl_step(run, 1))
+            ckpt = save_checkpoint(str(tmp_path / f"ck{release}"), 1, actor, {"stream": {}})
+            assert all(is_released(w) for w in ws) is release  # saved, released again
+            caches = [(m.fp8_cache.qweight.clone(), m.fp8_cache.scale_inv.clone()) for m in lin]
+            masters = [t.clone() for t in optimizer_tensors(actor.optimizer)]
+            actor.restore_weights()
+            res[release] = (metrics, caches, masters, [w.detach().clone() for w in ws], ckpt)
+            if release:  # a skipped step: nothing written by the optimizer, the released bytes come back
+                before = [w.detach().clone() for w in ws]
+                actor.release_weights()
+                monkeypatch.setattr(actor.optimizer, "step", lambda: (False, None, None))
+                actor._optimizer_step()  # re-quantizes: from the old bytes, so the same FP8 cache
+                assert all(torch.equal(m.fp8_cache.qweight.view(torch.uint8), q.view(torch.uint8))
+                           for m, (q, _) in zip(lin, caches))
+                actor.restore_weights()
+                assert all(torch.equal(a, w) for a, w in zip(before, ws))
+        finally:
+            close(run)
+    (m1, c1, o1, w1, k1), (m0, c0, o0, w0, k0) = res[True], res[False]
+    for a, b in zip(m1, m0):
+        num = {k: v for k, v in a.items() if isinstance(v, float) and not any(t in k for t in ("time", "second", "per_s"))}
+        assert num and all(v == b[k] for k, v in num.items()), [(k, v, b[k]) for k, v in num.items() if v != b[k]]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(s, t) for (a, s), (b, t) in zip(c1, c0))
+    assert len(o1) == len(o0) and all(torch.equal(a, b) for a, b in zip(o1, o0))
+    assert all(torch.equal(a, b) for a, b in zip(w1, w0))

@@ -70,7 +70,12 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
         out["train_kernel_ms"] = table["ms_per_call"]
         # the GPU's idle time inside the timed step: host work and syncs the kernels do not cover
         print(f"  train step wall {1e3 * out['train']:.1f} ms (median above) vs {table['ms_per_call']:.1f} ms of kernels")
-        if state.recipe.rollout_fp8:  # the per-step re-quantization alone
+        table = kernel_table(lambda: actor.compute_logprobs(batch), 1, f"{cfg.precision.mode} logprob pass, "
+                             f"{cfg.model.num_layers} layers, seq {seq}", top=min(profile, 12))
+        out["logprob_kernel_ms"] = table["ms_per_call"]
+        print(f"  logprob pass wall {1e3 * out['logprob']:.1f} ms (median above) vs {table['ms_per_call']:.1f} ms of kernels")
+        if state.recipe.rollout_fp8:  # the per-step re-quantization alone (reads the BF16 weights: restored)
+            actor.restore_weights()
             kernel_table(lambda: refresh_fp8_weights(model, state), 1, f"{cfg.precision.mode} FP8 weight re-quantization, "
                          f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]

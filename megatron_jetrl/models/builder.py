@@ -111,6 +111,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gpt.to(device)
+    # every parameter in the model's dtype, as megatron's Float16Module leaves them: torch-built modules (the
+    # RMSNorms) start fp32, and megatron's Float16 optimizer neither checkpoints fp32 parameters beside BF16
+    # ones ("Param id ... does not match any model sharded param") nor is that what the rollout engine runs
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
         state = FP8ModelState(recipe, "te")
         state.forward_fp8 = False  # our FP8 linears are not in this model

@@ -56,6 +56,12 @@ class FP8ModelState:
         # the FP8 wgrad GEMM accumulates into megatron's fp32 main_grad itself (cuBLASLt beta = 1) instead
         # of returning a BF16 gradient for the DDP hook to add (precision.fuse_wgrad_accumulation)
         self.fuse_wgrad_accumulation = True
+        # jet training: the trainer frees the FP8 linears' BF16 weights between the re-quantization and the next
+        # optimizer step (precision.release_bf16_weights; trainer.actor.Actor.release_weights)
+        self.release_bf16_weights = True
+        # jet training: dgrad's K-major FP8 weight made once per step and shared by its micro-batches
+        # (precision.cache_dgrad_weights; dropped after each step's backward: drop_dgrad_weights)
+        self.cache_dgrad_weights = True
 
     def bump(self) -> None:
         """Invalidate every cached FP8 weight (call after the weights changed)."""
@@ -88,6 +94,8 @@ class FP8WeightCache:
         self.train_blocks = _whole_block_map(self.inv_perm, block_rows)
         self._train: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._train_stores = -1
+        self._t: Optional[torch.Tensor] = None  # dgrad's K-major copy (dgrad_operand), dropped after each step
+        self._t_key = None
 
     def get(self, weight: torch.Tensor, state: FP8ModelState) -> tuple[torch.Tensor, torch.Tensor]:
         if self.version != state.version or self.qweight is None:
@@ -96,6 +104,11 @@ class FP8WeightCache:
 
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor, state: FP8ModelState) -> None:
+        from megatron_jetrl.memory import is_released
+
+        if is_released(weight):
+            raise RuntimeError("FP8 weight cache: the BF16 weight was released (precision.release_bf16_weights) and "
+                               "the cache is stale; call Actor.restore_weights() before changing the weights")
         w = weight.detach()
         if self.perm is not None:
             w = w.index_select(0, self.perm.to(w.device))
@@ -144,6 +157,24 @@ class FP8WeightCache:
             self._reorder()
         return self._train
 
+    def dgrad_operand(self, q: torch.Tensor) -> torch.Tensor:
+        """``q^T`` contiguous ([K, N], the K-major operand of dgrad's FP8 GEMM: cuBLAS reads both FP8 operands
+        K-major) for ``q`` = this cache's bytes in either row order: made once per stored version and kept until
+        :meth:`drop_dgrad`, so a step's micro-batches share one transpose instead of one each."""
+        key = (q.data_ptr(), self.stores, self._train_stores)
+        if self._t is None or self._t_key != key:
+            if q.is_cuda:
+                from megatron_jetrl.precision.triton_quant import transpose_bytes_triton
+
+                self._t = transpose_bytes_triton(q)
+            else:
+                self._t = q.view(torch.uint8).t().contiguous().view(q.dtype)
+            self._t_key = key
+        return self._t
+
+    def drop_dgrad(self) -> None:
+        self._t = self._t_key = None
+
     def _reorder(self) -> None:
         q, s = self.qweight, self.scale_inv
         nb, idx = self.train_blocks.numel(), self.train_blocks.to(q.device)
@@ -185,7 +216,8 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in block FP8; see the module docstring for the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None):
+    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None,
+                cache=None):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
         y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
@@ -194,7 +226,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
         ctx.weight = weight if fuse_accum else None
-        ctx.link = link
+        ctx.link, ctx.cache = link, cache
         return y.view(*lead, y.shape[-1])
 
     @staticmethod
@@ -204,7 +236,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.link is not None:  # fc1 of a gated MLP: fc2's backward may have quantized our dy already
             pre, ctx.link.operands = ctx.link.operands, None
         dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 _ACCUMULATE_FAILED: list = []
@@ -291,8 +323,11 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None)
             dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
             if recipe.wgrad == "fp8":
                 dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
-    # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T as a view.
-    dx = block_gemm(dyq, dys, qweight.t(), scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
+    # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T (the same bytes, K-major: the
+    # step's one transpose from the cache when precision.cache_dgrad_weights, else one per micro-batch)
+    cache = getattr(ctx, "cache", None)
+    wt = cache.dgrad_operand(qweight) if cache is not None else qweight.t()
+    dx = block_gemm(dyq, dys, wt, scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
     # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
     # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
     if recipe.wgrad == "fp8":
@@ -323,7 +358,8 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
     the FP8 linear's (dgrad, wgrad) followed by the SwiGLU derivative in fp32."""
 
     @staticmethod
-    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None):
+    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None,
+                cache=None):
         from megatron_jetrl.precision.quant import quantize_swiglu
 
         lead = y.shape[:-1]
@@ -334,7 +370,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
         ctx.weight = weight if fuse_accum else None
-        ctx.link = link
+        ctx.link, ctx.cache = link, cache
         return out.view(*lead, out.shape[-1])
 
     @staticmethod
@@ -349,7 +385,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
             dy = torch.zeros((), dtype=y.dtype, device=y.device).expand(y.shape)
         else:
             dy = swiglu_backward(y, da)
-        return dy, dw, None, None, None, None, None, None, None, None
+        return dy, dw, None, None, None, None, None, None, None, None, None
 
 
 class FP8LinearMixin:
@@ -434,7 +470,8 @@ class FP8LinearMixin:
                 link_ok = inv_perm is None and bias is None and self.fp8_state.recipe.wgrad == "fp8"
             link = link if link_ok and torch.is_grad_enabled() and swiglu_grad_link() else None
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
-                       self.fp8_state.fuse_wgrad_accumulation, link)
+                       self.fp8_state.fuse_wgrad_accumulation, link,
+                       cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None)
         if link is not None and not self.swiglu_input:
             link.y = out
         return out if bias is None else out + bias
@@ -523,6 +560,13 @@ def fp8_report(model: torch.nn.Module) -> dict[str, bool]:
         elif hasattr(module, "weight") and name.rsplit(".", 1)[-1] in ("output_layer", "router"):
             out[name] = False
     return out
+
+
+def drop_dgrad_weights(model: torch.nn.Module) -> None:
+    """Free the step's dgrad copies of the FP8 weights (``FP8WeightCache.dgrad_operand``)."""
+    for module in model.modules():
+        if isinstance(module, FP8LinearMixin) and module.fp8_cache is not None:
+            module.fp8_cache.drop_dgrad()
 
 
 @torch.no_grad()

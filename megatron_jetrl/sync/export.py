@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_jetrl.memory import is_released
 from megatron_jetrl.models import hf_mapping
 from megatron_jetrl.models.hf_io import named_global_params
 
@@ -103,6 +104,9 @@ def iter_hf_tensors(model, model_cfg, opts: ExportOptions) -> Iterator[tuple[str
                     yield hf_name, torch.cat(qs, cat_dim)
                     yield base + ".weight_scale_inv", torch.cat(ss, cat_dim)
             continue
+        if is_released(param):
+            raise RuntimeError(f"export: the BF16 weight {name} is released (precision.release_bf16_weights); "
+                               "export FP8 weights, or call Actor.restore_weights() first")
         shards = _tp_gather(param.detach(), tp_dim) if tp_dim is not None else [param.detach()]
         if _is_exporter(rule.is_expert):
             for hf_name, t in zip(names, hf_mapping.from_megatron_shards(rule, shards, model_cfg)):

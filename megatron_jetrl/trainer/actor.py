@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.config import AlgoConfig, ParallelConfig
-from megatron_jetrl.precision.linear import FP8ModelState, refresh_fp8_weights
+from megatron_jetrl.precision.linear import FP8ModelState, drop_dgrad_weights, refresh_fp8_weights
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.pipeline import run_microbatches
 
@@ -208,6 +208,8 @@ class Actor:
         self.steps = 0
         self.ref_model = None
         self._offloader = None
+        self._releasable = self._release_candidates()
+        self._released = False
 
     @property
     def module(self):
@@ -245,10 +247,70 @@ class Actor:
         self._offloader = None  # storages are claimed afresh next time (the optimizer may add state)
         return n
 
+    # -- the FP8 linears' BF16 weights between steps (precision.release_bf16_weights) -------------------
+    def _release_candidates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(BF16 weight, its fp32 master) of each FP8 linear whose BF16 copy nothing reads between the
+        re-quantization and the next optimizer step: ``jet`` training (forward and backward read only the FP8
+        cache), a mixed-precision optimizer holding a separate fp32 master, a standalone storage (not a view
+        into a DDP buffer, which megatron's distributed optimizer keeps)."""
+        st = self.fp8_state
+        if not (st.recipe.train_fp8 and getattr(st, "release_bf16_weights", False)):
+            return []
+        master = {}
+        for inner in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            for model_group, main_group in zip(getattr(inner, "float16_groups", []),
+                                               getattr(inner, "fp32_from_float16_groups", [])):
+                master.update({id(p): m for p, m in zip(model_group, main_group)})
+        from megatron_jetrl.precision.linear import FP8LinearMixin
+
+        out = []
+        for m in self.module.modules():
+            w = getattr(m, "weight", None)
+            if (isinstance(m, FP8LinearMixin) and m.fp8_cache is not None and isinstance(w, torch.Tensor)
+                    and id(w) in master and w.is_contiguous()
+                    and w.untyped_storage().nbytes() == w.numel() * w.element_size()):
+                out.append((w, master[id(w)]))
+        return out
+
+    def release_weights(self) -> int:
+        """Free the BF16 storage of the FP8 linears' weights (the FP8 caches are made current first): each
+        parameter keeps its identity and shape over a one-element stride-0 placeholder (a stray read gets
+        garbage, never freed memory). The next optimizer step writes them anew from the fp32 masters;
+        ``restore_weights`` brings them back for anything else that reads them (checkpoints). Returns bytes
+        freed."""
+        if self._released or not self._releasable:
+            return 0
+        from megatron_jetrl.precision.linear import FP8LinearMixin
+
+        for m in self.module.modules():
+            if isinstance(m, FP8LinearMixin) and m.fp8_cache is not None and m.fp8_active():
+                m.fp8_weight()  # current version (re-quantizes only if stale), before the BF16 bytes go
+        n = 0
+        for w, _ in self._releasable:
+            n += w.numel() * w.element_size()
+            w.data = torch.empty(1, dtype=w.dtype, device=w.device).expand(w.shape)
+        self._released = True
+        return n
+
+    @torch.no_grad()
+    def restore_weights(self, values: bool = True) -> bool:
+        """Give released BF16 weights their storage back; ``values``: and their bytes (the fp32 master rounded
+        to BF16, which is what they held). Returns whether anything was released."""
+        if not self._released:
+            return False
+        for w, main in self._releasable:
+            w.data = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            if values:
+                w.copy_(main)
+        self._released = False
+        return True
+
     # -- forward passes ---------------------------------------------------------------------------
     def compute_logprobs(self, batch: RLBatch, model=None) -> Optional[torch.Tensor]:
         """Per-position logprobs of the labels [N, S-1] in training precision (last PP stage;
         None elsewhere)."""
+        if model is None:
+            self.release_weights()
         return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size)
 
     def _global_count(self, x: float) -> float:
@@ -264,16 +326,26 @@ class Actor:
         if lr is not None:  # a fixed rate for this step (SFT warm-up); the schedule sets it back
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        released = self.restore_weights(values=False)  # storage only: the step writes every byte from the masters
         ok, grad_norm, _ = self.optimizer.step()
+        if released and not ok:  # a skipped step (non-finite gradients) wrote nothing: the old bytes back
+            self._restore_values()
         self.scheduler.step(increment=1)
         self.steps += 1
         requant = refresh_fp8_weights(self.module, self.fp8_state)
+        self.release_weights()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "update_ok": float(bool(ok)),
                 "lr": self.optimizer.param_groups[0]["lr"], "time_fp8_requant": requant,
                 "time_optimizer": time.perf_counter() - t0 - requant}
 
+    @torch.no_grad()
+    def _restore_values(self) -> None:
+        for w, main in self._releasable:
+            w.copy_(main)
+
     def train_step(self, batch: RLBatch) -> dict:
         """One optimizer step of the clipped policy-gradient objective over ``batch``."""
+        self.release_weights()
         a = self.algo
         mbs = batch.split(a.micro_batch_size)
         n_mb = len(mbs)
@@ -316,6 +388,7 @@ class Actor:
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
         run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
+        drop_dgrad_weights(self.module)
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
         out["time_fwd_bwd"] = fwd_bwd
@@ -326,6 +399,7 @@ class Actor:
 
     def sft_step(self, batch: RLBatch) -> dict:
         """Supervised warm-up: masked NLL of the response tokens (same FP8 flow as RL)."""
+        self.release_weights()
         mbs = batch.split(self.algo.micro_batch_size)
         scale = len(mbs) * self.dp / max(self._global_count(float(batch.mask.sum())), 1.0)
         losses = []
@@ -339,6 +413,7 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
+        drop_dgrad_weights(self.module)
         out = self._optimizer_step(self.algo.sft_lr)
         out["sft_loss"] = float(sum(losses) / len(losses)) if losses else 0.0
         return out

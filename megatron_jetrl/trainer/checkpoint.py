@@ -47,11 +47,16 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    model_sd = actor.module.sharded_state_dict()
-    sharded = {"model": model_sd,
-               "optimizer": actor.optimizer.sharded_state_dict(
-                   model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
-    dist_checkpointing.save(sharded, tmp, content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    released = _restore_weights(actor)  # released BF16 weights (precision.release_bf16_weights) are saved too
+    try:
+        model_sd = actor.module.sharded_state_dict()
+        sharded = {"model": model_sd,
+                   "optimizer": actor.optimizer.sharded_state_dict(
+                       model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+        dist_checkpointing.save(sharded, tmp, content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    finally:
+        if released:
+            actor.release_weights()
     if rank0:
         state = dict(loop_state, step=step, scheduler=actor.scheduler.state_dict(), actor_steps=actor.steps,
                      torch_rng=torch.get_rng_state().tolist())
@@ -67,6 +72,12 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
     barrier()
     return final
+
+
+def _restore_weights(actor) -> bool:
+    """The actor's released BF16 weights back with their values (``Actor.restore_weights``); whether any were."""
+    restore = getattr(actor, "restore_weights", None)
+    return bool(restore()) if restore is not None else False
 
 
 def latest_checkpoint(ckpt_root: str) -> str | None:
@@ -87,6 +98,7 @@ def load_model_weights(path: str, actor) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint error: checkpoint.load_path {path!r} is not a directory; "
                               "convert one with jetrl convert hf-to-megatron")
+    _restore_weights(actor)  # loaded into: the storage must be there (released again at the next step)
     state = dist_checkpointing.load({"model": actor.module.sharded_state_dict()}, path)
     actor.module.load_state_dict(state["model"])
 
@@ -94,6 +106,7 @@ def load_model_weights(path: str, actor) -> None:
 def load_checkpoint(path: str, actor) -> dict:
     from megatron.core import dist_checkpointing
 
+    _restore_weights(actor)
     model_sd = actor.module.sharded_state_dict()
     state = dist_checkpointing.load({"model": model_sd}, path)
     actor.module.load_state_dict(state["model"])
