@@ -18,7 +18,30 @@ import torch
 from megatron_jetrl.bench.timing import dump_json
 
 
-def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
+def _host_profile(fn, title: str, top: int) -> None:
+    """cProfile of ``fn()`` (synchronized at the end): the host functions by own time, most first. A pass whose
+    wall time exceeds its kernel time is host-bound; this says where the host's time goes."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"{title}: host profile ({1e3 * wall:.1f} ms under cProfile), top {top} by own time:")
+    for (file, line, fname), (cc, nc, tt, ct, _) in rows:
+        where = "/".join(file.rsplit("/", 2)[-2:]) + f":{line}"
+        print(f"  {1e3 * tt:8.2f} ms own {1e3 * ct:9.2f} ms cum  x{nc:<6d} {fname} ({where})")
+
+
+def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: int = 0) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -78,6 +101,9 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0) -> dict:
             actor.restore_weights()
             kernel_table(lambda: refresh_fp8_weights(model, state), 1, f"{cfg.precision.mode} FP8 weight re-quantization, "
                          f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
+    if cprofile:  # the host side: where Python spends one training step and one logprob pass
+        _host_profile(lambda: actor.train_step(batch), f"{cfg.precision.mode} train step", cprofile)
+        _host_profile(lambda: actor.compute_logprobs(batch), f"{cfg.precision.mode} logprob pass", cprofile)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
     del actor, model, state, batch
     if cfg.gc_freeze:  # the model's cycles must be collectable before the next mode builds its own
@@ -106,6 +132,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--profile", type=int, nargs="?", const=30, default=0, metavar="TOP",
                     help="also print the TOP (default 30) kernels of one training step per mode (where the phase's "
                          "time goes) and of the FP8 re-quantization")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
+                    help="also print the TOP host (Python) functions by own time of one training step and one logprob "
+                         "pass per mode (cProfile): where a host-bound pass spends its time")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -118,7 +147,7 @@ def main(argv=None) -> list[dict]:
             cfg = load_config(_preset_path(args.preset), [
                 *args.overrides, f"precision.mode={mode}", f"model.num_layers={layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
-            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile)
+            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile, args.cprofile)
         rows.append({"layers": layers, "seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
                      "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
                      "train_speedup": res["bf16"]["train"] / res["jet"]["train"],

@@ -53,11 +53,16 @@ def unwrap(model):
 
 def fingerprint(model) -> tuple:
     """Data pointers of every parameter and cached FP8 weight: a captured graph is valid while
-    this is unchanged (it replays reads of these addresses)."""
+    this is unchanged (it replays reads of these addresses). A released BF16 weight (jet training's
+    ``Actor.release_weights``: nothing reads it, the FP8 cache stands in) is left out: its placeholder
+    moves every step."""
+    from megatron_jetrl.memory import is_released
+
     ptrs = []
     for m in model.modules():
         for p in m.parameters(recurse=False):
-            ptrs.append(p.data_ptr())
+            if not is_released(p):
+                ptrs.append(p.data_ptr())
         cache = getattr(m, "fp8_cache", None)
         if cache is not None and cache.qweight is not None:
             ptrs += [cache.qweight.data_ptr(), cache.scale_inv.data_ptr()]
