@@ -322,12 +322,6 @@ class AlgoConfig:
     fused_adam: bool = True
     """When megatron-core falls back to torch's Adam (no TransformerEngine/apex FusedAdam), run it
     as torch's fused single-kernel Adam instead of the per-tensor foreach loop."""
-    cuda_graph_logprobs: bool = True
-    """The logprob recompute (a no-grad forward per micro-batch) as CUDA-graph replays: the first
-    micro-batch of a shape runs eagerly, the graph captured on the second serves the rest (same kernels,
-    same bytes), so the pass no longer waits on Python launching ~40 kernels per layer. CUDA, one
-    model-parallel rank per model (TP = PP = CP = 1), dense models, 3+ micro-batches of a shape; the
-    graph is freed after the pass."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     clip_eps_low: float = 0.2

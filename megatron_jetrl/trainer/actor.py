@@ -120,32 +120,10 @@ def _microbatch(b: RLBatch) -> dict:
 
 
 @torch.no_grad()
-def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int,
-                   cuda_graphs: bool = False) -> Optional[torch.Tensor]:
+def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int) -> Optional[torch.Tensor]:
     """Logprobs of ``batch``'s labels [N, S-1] from a forward of ``model`` in its current (training)
-    precision, through the pipeline schedule; None on non-last pipeline stages. ``cuda_graphs``: the
-    micro-batches of the common shape as CUDA-graph replays where that applies (``trainer/graphed.py``)."""
+    precision, through the pipeline schedule; None on non-last pipeline stages."""
     from megatron.core import parallel_state
-
-    parts = batch.split(micro_batch_size)
-    if cuda_graphs:
-        from megatron_jetrl.trainer import graphed
-
-        shape = parts[0].tokens.shape  # a row split: only the last part can be smaller
-        same = [p for p in parts if p.tokens.shape == shape]
-        if graphed.applicable(model, len(same)) and len(same) >= len(parts) - 1:
-            was = model.training
-            model.eval()
-            try:
-                def forward(ids, pos, labels):
-                    return vocab_parallel_logp_entropy(model(ids, pos, None), labels, temperature, False)[0]
-
-                got = graphed.replay_logprobs(model, [p.tokens for p in same], forward)
-                if got is not None:
-                    rest = parts[len(same):]
-                    return torch.cat(got + [train_logprobs(model, p, temperature, micro_batch_size) for p in rest])
-            finally:
-                model.train(was)
 
     out = []
 
@@ -157,7 +135,7 @@ def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: 
 
     was = model.training
     model.eval()
-    run_microbatches(model, [_microbatch(b) for b in parts], loss_func, True)
+    run_microbatches(model, [_microbatch(b) for b in batch.split(micro_batch_size)], loss_func, True)
     model.train(was)
     return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
 
@@ -232,6 +210,9 @@ class Actor:
         self._offloader = None
         self._releasable = self._release_candidates()
         self._released = False
+        # released from the start: the rollout engine's graphs see the placeholders from their first capture
+        # (checkpoint loads restore the weights first; every write after setup is the optimizer's)
+        self.release_weights()
 
     @property
     def module(self):
@@ -333,8 +314,7 @@ class Actor:
         None elsewhere)."""
         if model is None:
             self.release_weights()
-        return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size,
-                              self.algo.cuda_graph_logprobs)
+        return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size)
 
     def _global_count(self, x: float) -> float:
         from megatron.core import parallel_state
