@@ -218,17 +218,9 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe, out: tuple[torch.
 
 
 @triton.jit
-def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
-                         inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr = False):
-    """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
-    torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
-    pdl_enter(PDL)
-    pid_m = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = g * G + tl.arange(0, G)
-    mask = (rows[:, None] < M) & (cols[None, :] < F)
+def _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """fp32 ``silu(gate) * up`` of a [rows, cols] tile of y = [gate | up], silu rounded to BF16 first when
+    ROUND_BF16 (as the eager ops round it; the caller rounds the product)."""
     base = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
@@ -241,9 +233,24 @@ def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride
     silu = tl.math.div_rn(gate, 1.0 + e)
     if ROUND_BF16:
         silu = silu.to(tl.bfloat16).to(tl.float32)
-        a = (silu * up).to(tl.bfloat16).to(tl.float32)
-    else:
-        a = silu * up
+    return silu * up
+
+
+@triton.jit
+def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
+                         inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr = False):
+    """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
+    torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
+    pdl_enter(PDL)
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * G + tl.arange(0, G)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    a = _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16, LIBDEVICE_EXP)
+    if ROUND_BF16:
+        a = a.to(tl.bfloat16).to(tl.float32)
     _quantize_store_groups(a, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
                            eps, UE8M0)
 
@@ -283,17 +290,8 @@ def _swiglu_kernel(y_ptr, a_ptr, M, F, stride_ym, stride_am, BLOCK_M: tl.constex
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < M) & (cols[None, :] < F)
-    base = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + e)
-    if ROUND_BF16:
-        silu = silu.to(tl.bfloat16).to(tl.float32)
-    tl.store(a_ptr + rows[:, None] * stride_am + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=mask)
+    a = _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16, LIBDEVICE_EXP)
+    tl.store(a_ptr + rows[:, None] * stride_am + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu_triton(y: torch.Tensor) -> torch.Tensor:
