@@ -359,10 +359,10 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
     decoder's graph fingerprint does not change from step to step (the placeholders move, nothing reads them)."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.memory import is_released, optimizer_tensors
-    from megatron_jetrl.precision.linear import FP8LinearMixin
+    from megatron_jetrl.precision.linear import FP8LinearMixin, refresh_fp8_weights
     from megatron_jetrl.sync.export import ExportOptions, collect_hf_state_dict
     from megatron_jetrl.train import close, rl_step, setup, sft_step
-    from megatron_jetrl.trainer.checkpoint import save_checkpoint
+    from megatron_jetrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     res = {}
     for release in (True, False):
@@ -392,6 +392,11 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
             assert all(is_released(w) for w in ws) is release  # saved, released again
             caches = [(m.fp8_cache.qweight.clone(), m.fp8_cache.scale_inv.clone()) for m in lin]
             masters = [t.clone() for t in optimizer_tensors(actor.optimizer)]
+            load_checkpoint(ckpt, actor)  # loads into released weights: restored first, then re-quantized as resume does
+            refresh_fp8_weights(actor.module, actor.fp8_state)
+            assert all(torch.equal(m.fp8_cache.qweight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                m.fp8_cache.scale_inv, sc) for m, (q, sc) in zip(lin, caches))
+            assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(actor.optimizer), masters))
             actor.restore_weights()
             res[release] = (metrics, caches, masters, [w.detach().clone() for w in ws], ckpt)
             if release:  # a skipped step: nothing written by the optimizer, the released bytes come back
