@@ -723,6 +723,15 @@ for S, b, H, G, D, rot in ((3, 2, 4, 2, 16, 16), (2, 1, 40, 8, 128, 64)):
         assert torch.equal(y, y_ref), (S, H, D, rot, (y - y_ref).abs().max())
         assert torch.equal(x.grad, x_ref.grad), (S, H, D, rot, (x.grad - x_ref.grad).abs().max())
     assert torch.equal(rope.fused_rope(q, freqs), _apply_rotary_pos_emb_bshd(q, freqs))  # CPU: eager
+# the cos/sin tables: once per freqs tensor (megatron hands every layer the same one), again after it changes
+calls, real = [], rope.rope_tables
+rope.rope_tables = lambda *a: calls.append(1) or real(*a)
+freqs2 = freqs.clone()
+ref = rope.rope_kernel_apply(q, freqs2)
+assert torch.equal(rope.rope_kernel_apply(q, freqs2), ref) and len(calls) == 1
+assert rope._tables(freqs2, torch.float64)[0].dtype == torch.float64 and len(calls) == 2  # per dtype
+freqs2.mul_(0.5)  # changed in place: new tables
+assert torch.equal(rope.rope_kernel_apply(q, freqs2), _apply_rotary_pos_emb_bshd(q, freqs2)) and len(calls) == 3
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)

@@ -103,9 +103,32 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
     return rope_kernel_apply(t, freqs)
 
 
+_TABLES: dict = {}
+"""(id(freqs), freqs._version, dtype) -> (freqs, cos, sin) for the last few ``freqs`` tensors (kept alive here,
+so an id is not reused while cached)."""
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables(freqs, dtype)``, computed once per ``freqs`` tensor: megatron's ``RotaryEmbedding.forward``
+    is an ``lru_cache``, so every layer's q and k of every micro-batch get the same ``freqs`` object, and the
+    cos/sin tables (a handful of kernels each) were recomputed 2 x layers times per forward."""
+    try:
+        key = (id(freqs), freqs._version, dtype)
+    except RuntimeError:  # an inference-mode tensor has no version counter: no caching
+        return rope_tables(freqs, dtype)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is freqs:
+        return hit[1], hit[2]
+    cos, sin = rope_tables(freqs, dtype)
+    if len(_TABLES) >= 8:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (freqs, cos, sin)
+    return cos, sin
+
+
 def rope_kernel_apply(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """:func:`fused_rope` without the CUDA check (the CPU tests run the kernel under Triton's interpreter)."""
-    cos, sin = rope_tables(freqs, t.dtype)
+    cos, sin = _tables(freqs, t.dtype)
     return _RoPE.apply(t, cos, sin)
 
 
