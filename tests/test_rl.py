@@ -152,11 +152,19 @@ def test_other_precision_modes_train(mode, tmp_path):
         assert all(r["mismatch_abs_mean"] < 1e-5 and r["parity_checked"] == 0 for r in rl)
 
 
+def _tiny_run(run_dir, *overrides):
+    """``setup()`` of the tiny preset in ``run_dir`` with 2 prompts per step and ``overrides``."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.train import setup
+
+    return setup(load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
+                             [f"logging.run_dir={run_dir}", "rollout.prompts_per_step=2", *overrides]))
+
+
 def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
     """Without TE/apex, megatron-core builds torch's Adam; algo.fused_adam switches it to torch's
     fused kernel (the same update as the foreach path: compared on a real step)."""
-    from megatron_jetrl.config import load_config
-    from megatron_jetrl.train import close, setup, sft_step
+    from megatron_jetrl.train import close, sft_step
 
     calls = []
     for name in ("_fused_adam_", "_fused_adamw_"):
@@ -164,10 +172,7 @@ def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
         monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     results = {}
     for fused in (True, False):
-        cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
-                          [f"logging.run_dir={tmp_path / str(fused)}", "steps=1", "algo.sft_warmup_steps=2",
-                           "rollout.prompts_per_step=2", f"algo.fused_adam={str(fused).lower()}"])
-        run = setup(cfg)
+        run = _tiny_run(tmp_path / str(fused), "steps=1", "algo.sft_warmup_steps=2", f"algo.fused_adam={str(fused).lower()}")
         try:
             n = len(calls)
             assert run.actor.fused_adam is fused
@@ -193,6 +198,7 @@ def test_setup_freezes_the_python_heap_and_close_undoes_it(tmp_path, megatron_si
 
     assert gc.get_freeze_count() == 0
     for freeze in (True, False):
+        # the config stays alive here: the frozen count is compared with the objects alive after setup
         cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
                           [f"logging.run_dir={tmp_path / str(freeze)}", "steps=1", "algo.sft_warmup_steps=1",
                            "rollout.prompts_per_step=2", f"gc_freeze={str(freeze).lower()}"])
@@ -357,20 +363,16 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
     restored (what the checkpoint holds). A skipped optimizer step puts the old bytes back; a stale refresh or
     a BF16 export of a released weight fails with a message instead of reading the placeholder; the static
     decoder's graph fingerprint does not change from step to step (the placeholders move, nothing reads them)."""
-    from megatron_jetrl.config import load_config
     from megatron_jetrl.memory import is_released, optimizer_tensors
     from megatron_jetrl.precision.linear import FP8LinearMixin, refresh_fp8_weights
     from megatron_jetrl.sync.export import ExportOptions, collect_hf_state_dict
-    from megatron_jetrl.train import close, rl_step, setup, sft_step
+    from megatron_jetrl.train import close, rl_step, sft_step
     from megatron_jetrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     res = {}
     for release in (True, False):
-        cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"),
-                          [f"logging.run_dir={tmp_path / str(release)}", "steps=2", "algo.sft_warmup_steps=1",
-                           "rollout.prompts_per_step=2", "precision.mode=jet", "precision.params_dtype=bf16",
-                           f"precision.release_bf16_weights={str(release).lower()}"])
-        run = setup(cfg)
+        run = _tiny_run(tmp_path / str(release), "steps=2", "algo.sft_warmup_steps=1", "precision.mode=jet",
+                        "precision.params_dtype=bf16", f"precision.release_bf16_weights={str(release).lower()}")
         try:
             actor = run.actor
             lin = [m for m in actor.module.modules() if isinstance(m, FP8LinearMixin)]
@@ -382,7 +384,7 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
                 with pytest.raises(RuntimeError, match="released"):
                     lin[0].fp8_cache.refresh(lin[0].weight, run.actor.fp8_state)
                 with pytest.raises(RuntimeError, match="released"):
-                    collect_hf_state_dict(actor.module, cfg.model, ExportOptions(fp8=False))
+                    collect_hf_state_dict(actor.module, run.cfg.model, ExportOptions(fp8=False))
             from megatron_jetrl.rollout.decode import fingerprint
 
             fp = fingerprint(actor.module)  # the rollout's graphs stay valid: placeholders are not in it

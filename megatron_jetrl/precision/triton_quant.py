@@ -46,6 +46,12 @@ def _quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, s
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., C]`` as a 2-D [rows, C] tensor with unit column stride (the layout the kernels index)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def _act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: bool):
     """Empty (q [M, K], scale_inv [M, groups]) for a 1xG quantizer; column-major scales (strides
     (1, M)) when asked, the form ``scaled_mm`` wants."""
@@ -118,9 +124,7 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     scales out as [M, groups] with strides (1, M), the form ``scaled_mm`` wants. ``plan`` = (rows,
     groups, warps[, stream]) per program instead of ``act_quant_plan``'s (same bytes for every plan)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     M, G = x2.shape[0], recipe.group_size
     q, s, ng = _act_outputs(M, K, recipe, x.device, scale_col_major)
     if M:
@@ -263,9 +267,7 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"swiglu_quant_triton: bf16 or fp32 input expected, got {y.dtype}")
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2 = y.reshape(-1, F2)
-    if y2.stride(-1) != 1:
-        y2 = y2.contiguous()
+    y2 = _rows(y)
     M, F, G = y2.shape[0], F2 // 2, recipe.group_size
     q, s, ng = _act_outputs(M, F, recipe, y.device, scale_col_major)
     if M:
@@ -301,9 +303,7 @@ def swiglu_triton(y: torch.Tensor) -> torch.Tensor:
     if y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"swiglu_triton: bf16 or fp32 input expected, got {y.dtype}")
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2 = y.reshape(-1, F2)
-    if y2.stride(-1) != 1:
-        y2 = y2.contiguous()
+    y2 = _rows(y)
     M, F = y2.shape[0], F2 // 2
     a = torch.empty((M, F), dtype=y.dtype, device=y.device)
     if M and F:
@@ -346,9 +346,7 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     ``silu(gate) * up`` in one pass (read y and da once, write dy once) instead of ~12 eager fp32 ops,
     a cat and their temporaries. Same fp32 arithmetic as ``quant.swiglu_backward`` (no FMA)."""
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2, da2 = y.reshape(-1, F2), da.reshape(-1, F2 // 2)
-    y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
-    da2 = da2 if da2.stride(-1) == 1 else da2.contiguous()
+    y2, da2 = _rows(y), _rows(da)
     M, F = y2.shape[0], F2 // 2
     dy = torch.empty((M, F2), dtype=y.dtype, device=y.device)
     if M and F:

@@ -301,10 +301,10 @@ class Actor:
         to BF16, which is what they held). Returns whether anything was released."""
         if not self._released:
             return False
-        for w, main in self._releasable:
+        for w, _ in self._releasable:
             w.data = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-            if values:
-                w.copy_(main)
+        if values:
+            self._restore_values()
         self._released = False
         return True
 

@@ -47,7 +47,7 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    released = _restore_weights(actor)  # released BF16 weights (precision.release_bf16_weights) are saved too
+    released = actor.restore_weights()  # released BF16 weights (precision.release_bf16_weights) are saved too
     try:
         model_sd = actor.module.sharded_state_dict()
         sharded = {"model": model_sd,
@@ -74,12 +74,6 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
     return final
 
 
-def _restore_weights(actor) -> bool:
-    """The actor's released BF16 weights back with their values (``Actor.restore_weights``); whether any were."""
-    restore = getattr(actor, "restore_weights", None)
-    return bool(restore()) if restore is not None else False
-
-
 def latest_checkpoint(ckpt_root: str) -> str | None:
     marker = os.path.join(ckpt_root, "latest")
     if not os.path.isfile(marker):
@@ -98,7 +92,7 @@ def load_model_weights(path: str, actor) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint error: checkpoint.load_path {path!r} is not a directory; "
                               "convert one with jetrl convert hf-to-megatron")
-    _restore_weights(actor)  # loaded into: the storage must be there (released again at the next step)
+    actor.restore_weights()  # loaded into: the storage must be there (released again at the next step)
     state = dist_checkpointing.load({"model": actor.module.sharded_state_dict()}, path)
     actor.module.load_state_dict(state["model"])
 
@@ -106,7 +100,7 @@ def load_model_weights(path: str, actor) -> None:
 def load_checkpoint(path: str, actor) -> dict:
     from megatron.core import dist_checkpointing
 
-    _restore_weights(actor)
+    actor.restore_weights()
     model_sd = actor.module.sharded_state_dict()
     state = dist_checkpointing.load({"model": model_sd}, path)
     actor.module.load_state_dict(state["model"])
