@@ -716,3 +716,45 @@ def test_dgrad_weight_cache_on_gpu(megatron_single):
         grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         drop_dgrad_weights(model)
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+def test_fast_launch_same_bytes_and_keys(monkeypatch):
+    """``precision.launch.launch`` (the compiled kernel's launcher, no Triton dispatch) gives the bytes of
+    ``kernel[grid]`` for the training quantizers and norm, keeps one kernel per specialization (a second call
+    adds none; a misaligned view is a new one) and launches on the current stream (a captured graph replays it)."""
+    from megatron_jetrl.models.norm import rmsnorm_backward, rmsnorm_forward
+    from megatron_jetrl.precision import launch
+    from megatron_jetrl.precision.quant import quantize_dual
+
+    recipe = FP8Recipe()
+    x = _x((4096, 4096))
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    fns = {"act": lambda t: quantize_act(t, recipe, scale_col_major=True),
+           "dual": lambda t: quantize_dual(t, recipe, scale_col_major=True),
+           "norm": lambda t: (*rmsnorm_forward(t, w, 1e-5), *rmsnorm_backward(t, t, w, rmsnorm_forward(t, w, 1e-5)[1]))}
+    for name, fn in fns.items():
+        for t in (x, x.view(-1)[1:1 + 4095 * 4096].view(4095, 4096)):  # aligned; a 16-byte-misaligned view
+            monkeypatch.setattr(launch, "ENABLED", False)
+            ref = fn(t)
+            monkeypatch.setattr(launch, "ENABLED", True)
+            first = fn(t)
+            n = len(launch._CACHE)
+            again = fn(t)
+            assert len(launch._CACHE) == n, name  # the kept kernel served the second call
+            for a, b, c in zip(ref, first, again):
+                eq = _same if a.dtype.itemsize == 1 else torch.equal
+                assert eq(a, b) and eq(a, c), name
+    assert any(k[0][1][0][1] is False for k in launch._CACHE)  # the misaligned view got its own specialization
+    # the launcher runs on the current stream: captured in a CUDA graph, a replay recomputes into the same buffers
+    y = x.clone()
+    quantize_act(y, recipe, scale_col_major=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        q, sc = quantize_act(y, recipe, scale_col_major=True)
+    y.copy_(_x((4096, 4096), seed=5))
+    g.replay()
+    torch.cuda.synchronize()
+    qr, sr = quantize_act(y, recipe, use_triton=False)
+    assert _same(q, qr) and torch.equal(sc, sr)

@@ -41,7 +41,50 @@ def _host_profile(fn, title: str, top: int) -> None:
         print(f"  {1e3 * tt:8.2f} ms own {1e3 * ct:9.2f} ms cum  x{nc:<6d} {fname} ({where})")
 
 
-def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: int = 0) -> dict:
+class _LagProbe:
+    """How far the GPU runs behind the host at every transformer layer's forward: the layer's pre-hook records a
+    CUDA event and the host clock; after the pass, the event's GPU time minus the host time of its record (both
+    from the pass's start) is the work queued ahead of the GPU there. Near zero (< 0.1 ms: a launch's latency),
+    the GPU had run out of work and was waiting for the host: the pass is host-bound at that point."""
+
+    def __init__(self, model):
+        self.on, self.marks = False, []
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in model.modules()
+                        if type(m).__name__ == "TransformerLayer"]
+
+    def _hook(self, module, args):
+        if self.on:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((time.perf_counter(), ev))
+
+    def run(self, fn, title: str) -> dict:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.marks, self.on = [], True
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        issue = time.perf_counter() - t0
+        end.record()
+        self.on = False
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        lags = sorted(start.elapsed_time(ev) - 1e3 * (t - t0) for t, ev in self.marks)
+        res = {"wall_ms": 1e3 * wall, "issue_ms": 1e3 * issue, "gpu_ms": start.elapsed_time(end),
+               "lag_median_ms": lags[len(lags) // 2] if lags else float("nan"),
+               "starved_frac": sum(lag < 0.1 for lag in lags) / max(len(lags), 1)}
+        print(f"  {title}: wall {res['wall_ms']:.1f} ms, host issued it in {res['issue_ms']:.1f} ms; GPU behind the host "
+              f"at layer starts: median {res['lag_median_ms']:.2f} ms, {100 * res['starved_frac']:.0f}% of {len(lags)} "
+              f"with the GPU idle (< 0.1 ms: host-bound there)")
+        return res
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: int = 0, lag: bool = False) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -101,6 +144,12 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: i
             actor.restore_weights()
             kernel_table(lambda: refresh_fp8_weights(model, state), 1, f"{cfg.precision.mode} FP8 weight re-quantization, "
                          f"{cfg.model.num_layers} layers (wall {1e3 * out['requant']:.1f} ms)", top=8)
+    if lag:  # where the GPU waits for the host (one more logprob pass and training step, probed per layer)
+        probe = _LagProbe(model)
+        mode = cfg.precision.mode
+        out["logprob_lag"] = probe.run(lambda: actor.compute_logprobs(batch), f"{mode} logprob pass")
+        out["train_lag"] = probe.run(lambda: actor.train_step(batch), f"{mode} train step (forwards probed)")
+        probe.remove()
     if cprofile:  # the host side: where Python spends one training step and one logprob pass
         _host_profile(lambda: actor.train_step(batch), f"{cfg.precision.mode} train step", cprofile)
         _host_profile(lambda: actor.compute_logprobs(batch), f"{cfg.precision.mode} logprob pass", cprofile)
@@ -136,6 +185,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="also print the TOP host (Python) functions by own time of one training step and one logprob "
                          "pass per mode (cProfile): where a host-bound pass spends its time")
+    ap.add_argument("--lag", action="store_true",
+                    help="also run one logprob pass and one training step per mode with a CUDA event at every layer's "
+                         "forward: how far the GPU runs behind the host there (near 0: the host is the bottleneck)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -148,7 +200,8 @@ def main(argv=None) -> list[dict]:
             cfg = load_config(_preset_path(args.preset), [
                 *args.overrides, f"precision.mode={mode}", f"model.num_layers={layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
-            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile, args.cprofile)
+            res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile, args.cprofile,
+                               args.lag)
         rows.append({"layers": layers, "seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
                      "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
                      "train_speedup": res["bf16"]["train"] / res["jet"]["train"],
