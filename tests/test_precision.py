@@ -1009,30 +1009,3 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
     assert lin[0].fp8_cache._t is not first
     q, _ = lin[0].fp8_weight()
     assert torch.equal(lin[0].fp8_cache._t.view(torch.uint8), q.view(torch.uint8).t())
-
-
-def test_fast_launch_binds_and_keys_like_triton():
-    """``precision.launch``: the argument list handed to a compiled kernel's launcher is the one Triton's own
-    binder makes (every parameter in signature order, keywords and defaults filled in), checked against
-    ``inspect.signature`` on real kernels; the specialization key separates what Triton specializes on."""
-    import inspect
-
-    from megatron_jetrl.precision import launch
-    from megatron_jetrl.precision.triton_quant import _act_quant_kernel, _dual_quant_kernel
-
-    assert launch._triton_ok()  # this Triton passes the full bound argument list (the form launch() relies on)
-    x = torch.zeros(4, 256)
-    args = (x, x, x, 4, 256, 256, 256, 1, 4, 1 / 448, 448.0, 1e-10)
-    kw = dict(G=128, BLOCK_M=8, UE8M0=False, NG=2, STREAM=False)
-    sig = inspect.signature(_act_quant_kernel.fn).bind(*args, **kw)
-    sig.apply_defaults()
-    assert launch.bound_values(_act_quant_kernel, args, kw) == list(sig.arguments.values())
-    assert launch.bound_values(_act_quant_kernel, args, kw)[-1] is False  # PDL's default
-    names = launch._meta(_dual_quant_kernel)[0]
-    assert len(launch.bound_values(_dual_quant_kernel, tuple(range(len(names))), {})) == len(names)
-    # the key: 16-byte alignment, the integer classes Triton specializes on, dtype
-    buf = torch.zeros(64)
-    assert launch._spec(buf) != launch._spec(buf[1:]) and launch._spec(buf) == launch._spec(buf[4:])
-    assert launch._spec(buf) != launch._spec(buf.to(torch.bfloat16))
-    assert len({launch._spec(v) for v in (1, 16, 17, 32, 2**31, 2**40)}) == 4  # 16 and 32 share one class
-    assert launch._spec(True) != launch._spec(1)

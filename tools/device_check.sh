@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train|dualtune|hostcost ...]
-#   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends; part
-# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); part hostcost times the host side of
-# one FP8 GEMM / quantizer call (tools/host_cost.py).
+# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -53,9 +51,6 @@ if want train; then
   timeout 300 python3 -m megatron_jetrl.cli train --preset tiny --run-dir /tmp/gputiny steps=40 \
     algo.sft_warmup_steps=20 precision.backend=scaled_mm 2>&1 | grep -v -i warn | tail -5 | tee $OUT/train_tiny_gpu.txt
   cp /tmp/gputiny/metrics.jsonl $OUT/train_tiny_gpu_metrics.jsonl
-fi
-if want hostcost; then  # host time per call of the FP8 linear's GEMM and quantizer launches (GPU kept busy)
-  timeout 120 python3 tools/host_cost.py --json $OUT/host_cost.json 2>&1 | grep -v -i warn | tee $OUT/host_cost.txt
 fi
 if want dualtune; then  # the one-pass gradient quantizer's plans vs the separate kernels (DUAL_ARGS: sweep arguments)
   timeout ${DUAL_TIMEOUT:-200} python3 tools/tune_dual_quant.py ${DUAL_ARGS} --json $OUT/tune_dual_quant.json 2>&1 | grep -v -i warn | tee $OUT/tune_dual_quant.txt

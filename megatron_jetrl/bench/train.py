@@ -19,8 +19,8 @@ from megatron_jetrl.bench.timing import dump_json
 
 
 def _host_profile(fn, title: str, top: int) -> None:
-    """cProfile of ``fn()`` (synchronized at the end): the host functions by own time, most first. A pass whose
-    wall time exceeds its kernel time is host-bound; this says where the host's time goes."""
+    """cProfile of ``fn()`` (synchronized at the end): the host functions by own time, most first (cProfile slows
+    the host, so a pass that is GPU-bound outside it can look host-bound here: ``--lag`` says which it is)."""
     import cProfile
     import pstats
 
@@ -45,7 +45,9 @@ class _LagProbe:
     """How far the GPU runs behind the host at every transformer layer's forward: the layer's pre-hook records a
     CUDA event and the host clock; after the pass, the event's GPU time minus the host time of its record (both
     from the pass's start) is the work queued ahead of the GPU there. Near zero (< 0.1 ms: a launch's latency),
-    the GPU had run out of work and was waiting for the host: the pass is host-bound at that point."""
+    the GPU had run out of work and was waiting for the host: the pass is host-bound at that point. On the H200
+    (8-layer slice, docs/benchmarks.md) both modes' passes keep the GPU 30-170 ms behind the host at nearly every
+    layer start: their wall time above the profiler's kernel sum is the GPU's own gaps between kernels."""
 
     def __init__(self, model):
         self.on, self.marks = False, []

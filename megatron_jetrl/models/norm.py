@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.launch import launch
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.triton_quant import _quantize_store_groups
 
@@ -101,8 +100,8 @@ def rmsnorm_backward(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, 
     dwp = torch.empty((nprog, N), dtype=torch.float32, device=x2.device)
     if M:
         block = triton.next_power_of_2(N)
-        launch(_rmsnorm_bwd_kernel, (nprog,), x2, dy2, weight, rstd, dx, dwp, M, N, x2.stride(0), dy2.stride(0),
-               dx.stride(0), ROWS=rows, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        _rmsnorm_bwd_kernel[(nprog,)](x2, dy2, weight, rstd, dx, dwp, M, N, x2.stride(0), dy2.stride(0), dx.stride(0),
+                                      ROWS=rows, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return dx, dwp.sum(0).to(weight.dtype)
 
 
@@ -187,7 +186,7 @@ def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
         ng = triton.next_power_of_2(triton.cdiv(N, G))
         block = ng * G
         fmax = recipe.fp8_max if recipe is not None else 448.0
-        launch(_rmsnorm_kernel, (M,),
+        _rmsnorm_kernel[(M,)](
             h2, d2 if d2 is not None else h2, weight, hout, y, q, s, rstd, N, h2.stride(0),
             d2.stride(-2) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
             1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12,

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.launch import launch
 from megatron_jetrl.rollout.triton_rope import rope_tables
 
 
@@ -71,10 +70,10 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
         block_d = triton.next_power_of_2(D)
         block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_d))
         grid = (S, B, triton.cdiv(H, block_h))
-        launch(_rope_kernel, grid, x, y, cos, sin, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
-               y.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_H=block_h, BLOCK_D=block_d,
-               BACKWARD=backward, num_warps=4,
-               enable_fp_fusion=False)  # no FMA: one rounding per op, as torch's eager ops
+        _rope_kernel[grid](x, y, cos, sin, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+                           y.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_H=block_h, BLOCK_D=block_d,
+                           BACKWARD=backward, num_warps=4,
+                           enable_fp_fusion=False)  # no FMA: one rounding per op, as torch's eager ops
     return y
 
 

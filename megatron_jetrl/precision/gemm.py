@@ -19,17 +19,12 @@ Backends:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from megatron_jetrl.precision.quant import dequantize_blocks
 
 BACKENDS = ("scaled_mm", "emulated")
-LT_GEMM = os.environ.get("JETRL_LT_GEMM", "0") == "1"
-"""``JETRL_LT_GEMM=1``: the scaled_mm backend's forward and dgrad GEMMs go through ``precision/cublaslt.py`` (the
-same cuBLASLt block-scaled call with a plan kept per shape, beta 0) instead of ``torch.nn.functional.scaled_mm``,
-which builds its descriptors and asks cuBLASLt's heuristic on every call (host time, ``tools/host_cost.py``)."""
 
 
 class BackendUnavailable(RuntimeError):
@@ -120,12 +115,6 @@ def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
     # transposed copy of the same FP8 blocks: no re-quantization, same bytes as the forward.
     if b.stride(1) != 1:
         b = _k_major(b)
-    if LT_GEMM and out_dtype in (torch.bfloat16, torch.float32):
-        from megatron_jetrl.precision import cublaslt
-
-        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-        if cublaslt.available()[0] and cublaslt.shapes_ok(a, b, out):
-            return cublaslt.block_gemm_accumulate(a, a_s, b, b_s, out, beta=0.0)
     return scaled_mm(a, b.t(), _col_major(a_s), ScalingType.BlockWise1x128,
                      _col_major(b_s.t()), ScalingType.BlockWise128x128, output_dtype=out_dtype)
 

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_jetrl.precision.launch import launch
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
@@ -238,15 +237,15 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
         tma = (USE_TMA if tma is None else tma) and prequant and _tma_ok(q, qweight)
         wt, qt = ((TensorDescriptor.from_tensor(qweight, [block_n, G]), TensorDescriptor.from_tensor(q, [block_m, G]))
                   if tma else (qweight, q))
-        launch(_small_m_kernel, grid, x2, wt, w_scale, part, qt, s, M, N, K, per, x2.stride(0), qweight.stride(0),
-               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
-               q.stride(0) if return_quantized or prequant else 0,
-               s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
-               recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
-               BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
-               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
-               SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps,
-               **pdl_kwargs(x.device))
+        _small_m_kernel[grid](x2, wt, w_scale, part, qt, s, M, N, K, per, x2.stride(0), qweight.stride(0),
+                              w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
+                              q.stride(0) if return_quantized or prequant else 0,
+                              s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
+                              recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
+                              BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
+                              STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
+                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps,
+                              **pdl_kwargs(x.device))
         if split > 1 and locks is None:
             if return_partials:
                 return part, split
@@ -261,6 +260,5 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out [M, N] = sum_s part[s]`` in split order (fp32), written in ``out``'s dtype."""
     split, MN = part.shape[0], part[0].numel()
     block = 1024
-    launch(_split_sum_kernel, (triton.cdiv(MN, block),), part, out, MN, SPLIT=split, BLOCK=block,
-           **pdl_kwargs(out.device))
+    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block, **pdl_kwargs(out.device))
     return out

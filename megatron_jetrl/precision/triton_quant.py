@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megatron_jetrl.precision.launch import launch
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -131,11 +130,11 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if M:
         block_m, groups, warps, *stream = plan or act_quant_plan(M, K)
         grid = (triton.cdiv(M, block_m), triton.cdiv(ng, groups))
-        launch(_act_quant_kernel, grid, x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
-               1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
-               BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", NG=groups,
-               STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps,
-               **pdl_kwargs(x.device))
+        _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+                                BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", NG=groups,
+                                STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps,
+                                **pdl_kwargs(x.device))
     if scale_col_major:
         return q.view(*lead, K), s
     return q.view(*lead, K), s.view(*lead, ng)
@@ -190,10 +189,10 @@ def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: b
     s = torch.empty((cb, rb) if tile_scale else (C, rb), dtype=torch.float32, device=x.device)
     if R and C:
         xs = x_scale.contiguous() if x_scale is not None else s
-        launch(_quant_t_kernel, (rb, cb), x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
-               1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
-               DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
-               UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, num_warps=8)
+        _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
+                                  DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
+                                  UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, num_warps=8)
     return q, s
 
 
@@ -215,10 +214,10 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe, out: tuple[torch.
         q = torch.empty((R, C), dtype=recipe.dtype, device=w.device)
         s = torch.empty((rb, cb), dtype=torch.float32, device=w.device)
     if R and C:
-        launch(_quant_t_kernel, (rb, cb), w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
-               1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
-               TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
-               num_warps=8)
+        _quant_t_kernel[(rb, cb)](w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
+                                  1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
+                                  TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
+                                  num_warps=8)
     return q, s
 
 
@@ -273,7 +272,7 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     q, s, ng = _act_outputs(M, F, recipe, y.device, scale_col_major)
     if M:
         block_m = 16 if M >= 4096 else 4
-        launch(_swiglu_quant_kernel, (triton.cdiv(M, block_m), ng),
+        _swiglu_quant_kernel[(triton.cdiv(M, block_m), ng)](
             y2, q, s, M, F, y2.stride(0), q.stride(0), s.stride(0), s.stride(1), 1.0 / recipe.fp8_max,
             recipe.fp8_max, recipe.amax_eps, G=G, BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0",
             ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
@@ -309,7 +308,7 @@ def swiglu_triton(y: torch.Tensor) -> torch.Tensor:
     a = torch.empty((M, F), dtype=y.dtype, device=y.device)
     if M and F:
         block_m, block_f = 4, 512
-        launch(_swiglu_kernel, (triton.cdiv(M, block_m), triton.cdiv(F, block_f)),
+        _swiglu_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, a, M, F, y2.stride(0), a.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
             ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
             num_warps=4, enable_fp_fusion=False)
@@ -352,7 +351,7 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     dy = torch.empty((M, F2), dtype=y.dtype, device=y.device)
     if M and F:
         block_m, block_f = 4, 512
-        launch(_swiglu_bwd_kernel, (triton.cdiv(M, block_m), triton.cdiv(F, block_f)),
+        _swiglu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, da2, dy, M, F, y2.stride(0), da2.stride(0), dy.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
             LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4, enable_fp_fusion=False)
     return dy.view(*lead, F2)
@@ -463,7 +462,7 @@ def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swigl
     st = torch.empty((N, triton.cdiv(M, G)), dtype=torch.float32, device=x.device)
     if M and N:
         rb, warps = plan or dual_quant_plan(swiglu_bwd)
-        launch(_dual_quant_kernel, (triton.cdiv(M, G), triton.cdiv(N, G)),
+        _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
             x, da, qr, sr, qt, st, M, N, F, x.stride(0), da.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
             qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, RB=min(rb, G),
             UE8M0=recipe.scale_fmt == "ue8m0", SWIGLU_BWD=swiglu_bwd, ROUND_BF16=x.dtype == torch.bfloat16,
@@ -519,6 +518,6 @@ def transpose_bytes_triton(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((C, R), dtype=torch.uint8, device=x.device)
     if R and C:
         block = 64
-        launch(_transpose_kernel, (triton.cdiv(R, block), triton.cdiv(C, block)), xb, y, R, C, xb.stride(0),
-               y.stride(0), BLOCK=block, num_warps=4)
+        _transpose_kernel[(triton.cdiv(R, block), triton.cdiv(C, block))](xb, y, R, C, xb.stride(0), y.stride(0),
+                                                                          BLOCK=block, num_warps=4)
     return y.view(x.dtype)

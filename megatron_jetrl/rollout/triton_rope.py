@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.launch import launch
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 
 
@@ -92,9 +91,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     if S == 0 or b == 0:
         return
     grid = (S, b, H + G)
-    launch(_rope_kv_kernel, grid, q, k, v, cos, sin, k_cache, v_cache, idx, b, H,
-           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
-           k_cache.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_D=triton.next_power_of_2(D),
-           num_warps=1, enable_fp_fusion=False,  # no FMA: one rounding per op, as torch
-           **pdl_kwargs(q.device))
+    _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, idx, b, H,
+                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
+                          k_cache.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_D=triton.next_power_of_2(D),
+                          num_warps=1, enable_fp_fusion=False,  # no FMA: one rounding per op, as torch
+                          **pdl_kwargs(q.device))

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.launch import launch
-
 
 @triton.jit
 def _sample_kernel(x_ptr, ids_ptr, lp_ptr, V, stride, temperature, seed, BLOCK: tl.constexpr):
@@ -58,6 +56,6 @@ def fused_sample(logits: torch.Tensor, temperature: float, seed: int) -> tuple[t
     ids = torch.empty(B, dtype=torch.long, device=x.device)
     lp = torch.empty(B, dtype=torch.float32, device=x.device)
     if B:
-        launch(_sample_kernel, (B,), x, ids, lp, V, x.stride(0), float(temperature), seed & 0x7FFFFFFF,
-               BLOCK=min(4096, triton.next_power_of_2(V)), num_warps=8)
+        _sample_kernel[(B,)](x, ids, lp, V, x.stride(0), float(temperature), seed & 0x7FFFFFFF,
+                             BLOCK=min(4096, triton.next_power_of_2(V)), num_warps=8)
     return ids, lp

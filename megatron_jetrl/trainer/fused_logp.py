@@ -26,8 +26,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.precision.launch import launch
-
 try:
     import triton
     import triton.language as tl
@@ -115,8 +113,8 @@ def _local_stats(x: torch.Tensor, labels: torch.Tensor, temperature: float, voca
     if _use_triton(x):
         out = torch.empty((4, T), dtype=torch.float32, device=x.device)
         if T:
-            launch(_stats_kernel, (T,), x, labels, out, V, x.stride(0), float(temperature), vocab_start, BLOCK_V=2048,
-                   LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+            _stats_kernel[(T,)](x, labels, out, V, x.stride(0), float(temperature), vocab_start, BLOCK_V=2048,
+                                LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
         return out
     z = x.float() / temperature
     m = z.max(-1).values
@@ -133,9 +131,9 @@ def _logits_grad(x, labels, lse, ez, g_logp, g_ent, temperature, vocab_start) ->
         dx = torch.empty_like(x)
         if T:
             has_ent = g_ent is not None
-            launch(_grad_kernel, (T,), x, labels, lse, ez, g_logp, g_ent if has_ent else g_logp, dx, V, x.stride(0),
-                   dx.stride(0), float(temperature), vocab_start, BLOCK_V=2048, HAS_ENT=has_ent,
-                   LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+            _grad_kernel[(T,)](x, labels, lse, ez, g_logp, g_ent if has_ent else g_logp, dx, V, x.stride(0),
+                               dx.stride(0), float(temperature), vocab_start, BLOCK_V=2048, HAS_ENT=has_ent,
+                               LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
         return dx
     z = x.float() / temperature
     p = torch.exp(z - lse[:, None])
