@@ -1009,3 +1009,39 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
     assert lin[0].fp8_cache._t is not first
     q, _ = lin[0].fp8_weight()
     assert torch.equal(lin[0].fp8_cache._t.view(torch.uint8), q.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
+    """The LM head runs on the batch-major hidden states (``models.builder._batch_major_output``): GPTModel's
+    ``[s, b, V] -> [b, s, V]`` ``.contiguous()`` is then a view of the LM head's own output (no copy of the
+    [tokens x vocab] logits), and the logits and every gradient equal megatron's path."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=bf16"])
+    torch.manual_seed(0)
+    model, _ = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), dtype, backend="emulated")
+    assert "forward" in model.output_layer.__dict__
+    b, s = 3, 7
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(s).expand(b, s)
+    seen = []
+    hook = model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
+    res = {}
+    for batch_major in (True, False):
+        if not batch_major:
+            fwd = model.output_layer.__dict__.pop("forward")
+        model.zero_grad()
+        seen.clear()
+        logits = model(tokens, pos, None)
+        shares = logits.untyped_storage().data_ptr() == seen[0].untyped_storage().data_ptr()
+        (logits.float().square().sum()).backward()
+        res[batch_major] = (logits.detach(), shares, {n: p.grad.clone() for n, p in model.named_parameters()})
+    model.output_layer.forward = fwd
+    hook.remove()
+    assert res[True][1] and not res[False][1]  # a view of the LM head's output vs megatron's copy of it
+    assert logits.shape == (b, s, cfg.model.vocab_size) and res[True][0].is_contiguous()
+    assert torch.equal(res[True][0], res[False][0])
+    for n, g in res[True][2].items():
+        assert torch.allclose(g.float(), res[False][2][n].float(), rtol=1e-5, atol=1e-6), n

@@ -8,6 +8,8 @@ biases except qwen2's QKV bias, qwen3's QK-norm, RoPE with the model's theta, GQ
 from __future__ import annotations
 
 import logging
+import os
+import types
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,25 @@ def _te_spec(model: ModelConfig, recipe: FP8Recipe):
     return spec, te_transformer_config(recipe)
 
 
+def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
+    """The LM head (megatron's ``ColumnParallelLinear.forward``) run on the batch-major view of the hidden states
+    ``[s, b, h]``: it returns the logits ``[s, b, V]`` as a transposed view of ``[b, s, V]`` memory, so
+    ``GPTModel``'s closing ``logits.transpose(0, 1).contiguous()`` is a view instead of a strided copy of the
+    whole [tokens x vocab] tensor, and autograd's gradient of it is none either. At micro-batch 8 x 1152 tokens
+    and a 128K vocabulary that copy was 2.4 GB each way, ~4 ms per micro-batch forward and again backward
+    (both modes; docs/benchmarks.md). The hidden states' transpose costs a copy of ``[s, b, h]`` (1/31 of the
+    logits at Llama-3.1-8B's shapes). Same GEMM, same rows, same bytes. Only for ``s, b > 1`` without
+    sequence parallelism (which gathers along ``s``) or deferred embedding wgrads; ``JETRL_BATCH_MAJOR_LOGITS=0``
+    keeps megatron's path."""
+    plain = type(self).forward
+    if (input_.dim() != 3 or input_.shape[0] == 1 or input_.shape[1] == 1 or self.sequence_parallel
+            or self.config.defer_embedding_wgrad_compute):
+        return plain(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+    out, bias = plain(self, input_.transpose(0, 1).contiguous(), weight=weight,
+                      runtime_gather_output=runtime_gather_output)
+    return out.transpose(0, 1), bias
+
+
 def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
                 dtype: torch.dtype = torch.bfloat16, backend: str = "auto"):
     """Build this rank's pipeline stage of the model; returns (GPTModel, FP8ModelState).
@@ -118,6 +139,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
         for p in gpt.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+    if gpt.post_process and os.environ.get("JETRL_BATCH_MAJOR_LOGITS", "1") != "0":
+        gpt.output_layer.forward = types.MethodType(_batch_major_output, gpt.output_layer)
     if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
         state = FP8ModelState(recipe, "te")
         state.forward_fp8 = False  # our FP8 linears are not in this model
