@@ -1039,9 +1039,14 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
         (logits.float().square().sum()).backward()
         res[batch_major] = (logits.detach(), shares, {n: p.grad.clone() for n, p in model.named_parameters()})
     model.output_layer.forward = fwd
-    hook.remove()
     assert res[True][1] and not res[False][1]  # a view of the LM head's output vs megatron's copy of it
     assert logits.shape == (b, s, cfg.model.vocab_size) and res[True][0].is_contiguous()
     assert torch.equal(res[True][0], res[False][0])
     for n, g in res[True][2].items():
         assert torch.allclose(g.float(), res[False][2][n].float(), rtol=1e-5, atol=1e-6), n
+    # with labels, megatron computes its loss on the [s, b, V] logits (views them [s * b, V]): megatron's path
+    seen.clear()
+    labels = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(2))
+    loss = model(tokens, pos, None, labels=labels)
+    assert loss.shape == (b, s) and seen[0].is_contiguous()
+    hook.remove()

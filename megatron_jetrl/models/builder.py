@@ -94,16 +94,24 @@ def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
     whole [tokens x vocab] tensor, and autograd's gradient of it is none either. At micro-batch 8 x 1152 tokens
     and a 128K vocabulary that copy was 2.4 GB each way, ~4 ms per micro-batch forward and again backward
     (both modes; docs/benchmarks.md). The hidden states' transpose costs a copy of ``[s, b, h]`` (1/31 of the
-    logits at Llama-3.1-8B's shapes). Same GEMM, same rows, same bytes. Only for ``s, b > 1`` without
-    sequence parallelism (which gathers along ``s``) or deferred embedding wgrads; ``JETRL_BATCH_MAJOR_LOGITS=0``
-    keeps megatron's path."""
+    logits at Llama-3.1-8B's shapes). Same GEMM, same rows, same bytes. Only when the model returns the logits
+    (``GPTModel.forward`` without ``labels``: megatron's own loss views them ``[s * b, V]``; set by
+    :func:`_note_labels`), for ``s, b > 1``, without sequence parallelism (which gathers along ``s``) or deferred
+    embedding wgrads; ``JETRL_BATCH_MAJOR_LOGITS=0`` keeps megatron's path."""
     plain = type(self).forward
-    if (input_.dim() != 3 or input_.shape[0] == 1 or input_.shape[1] == 1 or self.sequence_parallel
-            or self.config.defer_embedding_wgrad_compute):
+    if (not getattr(self, "batch_major_logits", False) or input_.dim() != 3 or input_.shape[0] == 1
+            or input_.shape[1] == 1 or self.sequence_parallel or self.config.defer_embedding_wgrad_compute):
         return plain(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
     out, bias = plain(self, input_.transpose(0, 1).contiguous(), weight=weight,
                       runtime_gather_output=runtime_gather_output)
     return out.transpose(0, 1), bias
+
+
+def _note_labels(gpt, args, kwargs):
+    """``GPTModel`` forward pre-hook: the LM head may write batch-major logits only when the model returns them
+    (no ``labels``, the 5th argument of ``GPTModel.forward``)."""
+    labels = kwargs["labels"] if "labels" in kwargs else (args[4] if len(args) > 4 else None)
+    gpt.output_layer.batch_major_logits = labels is None
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
@@ -141,6 +149,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
                 p.data = p.data.to(dtype)
     if gpt.post_process and os.environ.get("JETRL_BATCH_MAJOR_LOGITS", "1") != "0":
         gpt.output_layer.forward = types.MethodType(_batch_major_output, gpt.output_layer)
+        gpt.register_forward_pre_hook(_note_labels, with_kwargs=True)
     if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
         state = FP8ModelState(recipe, "te")
         state.forward_fp8 = False  # our FP8 linears are not in this model
