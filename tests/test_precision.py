@@ -1026,8 +1026,13 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
     b, s = 3, 7
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(s).expand(b, s)
-    seen = []
+    seen, norm_grads = [], []
     hook = model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
+    # the gradient handed back to the decoder keeps megatron's sequence-major layout (contiguous [s, b, h])
+    def grad_of_norm_output(module, inputs, out):
+        out.register_hook(norm_grads.append)
+
+    nhook = model.decoder.final_layernorm.register_forward_hook(grad_of_norm_output)
     res = {}
     for batch_major in (True, False):
         if not batch_major:
@@ -1038,6 +1043,7 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
         shares = logits.untyped_storage().data_ptr() == seen[0].untyped_storage().data_ptr()
         (logits.float().square().sum()).backward()
         res[batch_major] = (logits.detach(), shares, {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert norm_grads.pop().is_contiguous()
     model.output_layer.forward = fwd
     assert res[True][1] and not res[False][1]  # a view of the LM head's output vs megatron's copy of it
     assert logits.shape == (b, s, cfg.model.vocab_size) and res[True][0].is_contiguous()
@@ -1050,3 +1056,4 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
     loss = model(tokens, pos, None, labels=labels)
     assert loss.shape == (b, s) and seen[0].is_contiguous()
     hook.remove()
+    nhook.remove()

@@ -94,7 +94,8 @@ def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
     whole [tokens x vocab] tensor, and autograd's gradient of it is none either. At micro-batch 8 x 1152 tokens
     and a 128K vocabulary that copy was 2.4 GB each way, ~4 ms per micro-batch forward and again backward
     (both modes; docs/benchmarks.md). The hidden states' transpose costs a copy of ``[s, b, h]`` (1/31 of the
-    logits at Llama-3.1-8B's shapes). Same GEMM, same rows, same bytes. Only when the model returns the logits
+    logits at Llama-3.1-8B's shapes; its gradient, one of the same size, goes back sequence-major: see
+    :class:`_ToBatchMajor`). Same GEMM, same rows, same bytes. Only when the model returns the logits
     (``GPTModel.forward`` without ``labels``: megatron's own loss views them ``[s * b, V]``; set by
     :func:`_note_labels`), for ``s, b > 1``, without sequence parallelism (which gathers along ``s``) or deferred
     embedding wgrads; ``JETRL_BATCH_MAJOR_LOGITS=0`` keeps megatron's path."""
@@ -102,9 +103,22 @@ def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
     if (not getattr(self, "batch_major_logits", False) or input_.dim() != 3 or input_.shape[0] == 1
             or input_.shape[1] == 1 or self.sequence_parallel or self.config.defer_embedding_wgrad_compute):
         return plain(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-    out, bias = plain(self, input_.transpose(0, 1).contiguous(), weight=weight,
-                      runtime_gather_output=runtime_gather_output)
+    out, bias = plain(self, _ToBatchMajor.apply(input_), weight=weight, runtime_gather_output=runtime_gather_output)
     return out.transpose(0, 1), bias
+
+
+class _ToBatchMajor(torch.autograd.Function):
+    """``[s, b, h] -> [b, s, h]`` contiguous; its gradient goes back contiguous ``[s, b, h]`` (autograd's own
+    transpose would hand the layers below a view of batch-major memory, and every linear's backward that wants
+    a contiguous gradient would copy it again)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.transpose(0, 1).contiguous()
 
 
 def _note_labels(gpt, args, kwargs):
