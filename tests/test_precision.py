@@ -1028,10 +1028,11 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
     pos = torch.arange(s).expand(b, s)
     seen, norm_grads = [], []
     hook = model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
-    # the gradient handed back to the decoder keeps megatron's sequence-major layout (contiguous [s, b, h])
+
     def grad_of_norm_output(module, inputs, out):
         out.register_hook(norm_grads.append)
 
+    # the gradient handed back to the decoder keeps megatron's sequence-major layout (contiguous [s, b, h])
     nhook = model.decoder.final_layernorm.register_forward_hook(grad_of_norm_output)
     res = {}
     for batch_major in (True, False):

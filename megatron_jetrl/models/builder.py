@@ -91,7 +91,7 @@ def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
     """The LM head (megatron's ``ColumnParallelLinear.forward``) run on the batch-major view of the hidden states
     ``[s, b, h]``: it returns the logits ``[s, b, V]`` as a transposed view of ``[b, s, V]`` memory, so
     ``GPTModel``'s closing ``logits.transpose(0, 1).contiguous()`` is a view instead of a strided copy of the
-    whole [tokens x vocab] tensor, and autograd's gradient of it is none either. At micro-batch 8 x 1152 tokens
+    whole [tokens x vocab] tensor, and its backward copies nothing either. At micro-batch 8 x 1152 tokens
     and a 128K vocabulary that copy was 2.4 GB each way, ~4 ms per micro-batch forward and again backward
     (both modes; docs/benchmarks.md). The hidden states' transpose costs a copy of ``[s, b, h]`` (1/31 of the
     logits at Llama-3.1-8B's shapes; its gradient, one of the same size, goes back sequence-major: see
