@@ -5,7 +5,8 @@
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends; part
-# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT).
+# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
+# measured steps (medians over more steps narrow its ~1% run-to-run spread).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -35,7 +36,7 @@ if want attn; then
   timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
 fi
 if want step; then
-  timeout 240 python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps 2 --warmup 1 \
+  timeout ${STEP_TIMEOUT:-240} python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps ${STEP_STEPS:-2} --warmup 1 \
     --plot $OUT/step_phases_h200.png --json $OUT/bench_step.json model.num_layers=8 rollout.max_new_tokens=1024 \
     rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 2>&1 | grep -v -i warn | tee $OUT/bench_step.txt
 fi
