@@ -76,6 +76,18 @@ def main() -> None:
                 return y
             return f
 
+        # the raw SDPA output's memory order on the model's inputs: SDPAttention's permute(2, 0, 1, 3).reshape()
+        # to [s, b, h * d] is a view only when it is [s, b, h, d]-ordered, else one copy per layer and micro-batch
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            try:
+                qkv = (t.permute(1, 2, 0, 3) for t in (mq, mk, mixed[..., (hq // hk + 1) * d:]))
+                with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, name)]):
+                    o = F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=hq != hk)
+                view = o.permute(2, 0, 1, 3).is_contiguous()
+                print(f"S={S} model inputs, {name}: SDPA output [b, h, s, d] strides {tuple(o.stride())}; "
+                      f"the model's [s, b, h*d] reshape is {'a view' if view else 'a copy'}")
+            except RuntimeError as e:
+                print(f"S={S} model inputs, {name}: not available ({str(e).splitlines()[0][:120]})")
         ok = {}
         for layout in a.layouts.split(","):
             for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
