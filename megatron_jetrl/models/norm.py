@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
-from megatron_jetrl.precision.triton_quant import _quantize_store_groups
+from megatron_jetrl.precision.triton_quant import _quantize_store_groups, _rows
 
 
 def triton_rmsnorm_enabled() -> bool:
@@ -41,9 +41,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows(x)
         y, rstd = rmsnorm_forward(x2, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(shape)
@@ -206,9 +204,7 @@ def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, 
     partials ``[splits, tokens, N]`` (``triton_gemm.small_m_linear(..., return_partials=True)``),
     summed here exactly as its sum kernel would (same bytes, one launch less)."""
     shape, N = h.shape, h.shape[-1]
-    h2 = h.reshape(-1, N)
-    if h2.stride(-1) != 1:
-        h2 = h2.contiguous()
+    h2 = _rows(h)
     if delta is None:
         d2 = None
     elif delta_splits > 1:

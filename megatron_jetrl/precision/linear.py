@@ -163,12 +163,9 @@ class FP8WeightCache:
         :meth:`drop_dgrad`, so a step's micro-batches share one transpose instead of one each."""
         key = (q.data_ptr(), self.stores, self._train_stores)
         if self._t is None or self._t_key != key:
-            if q.is_cuda:
-                from megatron_jetrl.precision.triton_quant import transpose_bytes_triton
+            from megatron_jetrl.precision.gemm import _k_major
 
-                self._t = transpose_bytes_triton(q)
-            else:
-                self._t = q.view(torch.uint8).t().contiguous().view(q.dtype)
+            self._t = _k_major(q.t())
             self._t_key = key
         return self._t
 
@@ -325,8 +322,7 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None)
                 dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
     # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T (the same bytes, K-major: the
     # step's one transpose from the cache when precision.cache_dgrad_weights, else one per micro-batch)
-    cache = getattr(ctx, "cache", None)
-    wt = cache.dgrad_operand(qweight) if cache is not None else qweight.t()
+    wt = ctx.cache.dgrad_operand(qweight) if ctx.cache is not None else qweight.t()
     dx = block_gemm(dyq, dys, wt, scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
     # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
     # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).

@@ -257,7 +257,7 @@ class Actor:
         cache), a mixed-precision optimizer holding a separate fp32 master, a standalone storage (not a view
         into a DDP buffer, which megatron's distributed optimizer keeps)."""
         st = self.fp8_state
-        if not (st.recipe.train_fp8 and getattr(st, "release_bf16_weights", False)):
+        if not (st.recipe.train_fp8 and st.release_bf16_weights):
             return []
         master = {}
         for inner in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
