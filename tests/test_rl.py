@@ -205,7 +205,9 @@ def test_setup_freezes_the_python_heap_and_close_undoes_it(tmp_path, megatron_si
         run = setup(cfg)
         try:
             frozen = gc.get_freeze_count()
-            assert (frozen > 10_000) is freeze and run.gc_frozen == frozen
+            # frozen objects still die by reference counting (the TensorBoard writer's thread frees some
+            # after setup returns): the count can only shrink, and only by a few
+            assert (frozen > 10_000) is freeze and 0 <= run.gc_frozen - frozen < 1_000
             sft_step(run)
         finally:
             close(run)
