@@ -54,3 +54,26 @@ def test_kernel_table_on_cpu():
     assert any("mm" in n for n in names) and any("relu" in n for n in names)
     times = [ms for _, ms, _ in out["top"]]
     assert times == sorted(times, reverse=True) and out["ms_per_call"] >= sum(times) - 1e-9 > 0
+
+
+def test_copy_sources_names_the_calling_frame_and_the_backward_node():
+    """bench train --copies: a forward copy is attributed to the Python line that made it, a backward
+    copy to its autograd node; ops that do not copy are not listed."""
+    import torch
+
+    from megatron_jetrl.bench.timing import copy_sources
+
+    x = torch.randn(64, 8, 256, requires_grad=True)
+
+    def step():
+        y = x.transpose(0, 1).contiguous()  # the copy under test
+        z = (y * 2).to(torch.float64)  # a cast: copy_ too
+        w = x.reshape(64 * 8, 256)  # a view: no copy
+        (z.sum() + w.sum()).backward()
+
+    rows = copy_sources(step, "test")
+    where = [r["where"] for r in rows]
+    assert any("test_bench.py" in w and "step" in w for w in where), where
+    assert any("ToCopyBackward" in w for w in where), where  # the cast's backward copies back to fp32
+    assert sum(r["count"] for r in rows) >= 3 and all(r["ms"] > 0 for r in rows)
+    assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)

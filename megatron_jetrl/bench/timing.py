@@ -127,6 +127,50 @@ def kernel_table(fn, reps: int, title: str, top: int = 12) -> dict:
     return {"ms_per_call": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
 
 
+def copy_sources(fn, title: str, top: int = 10) -> list[dict]:
+    """Run ``fn()`` once under torch's profiler with Python stacks and print where its tensor copies
+    (``aten::copy_``: every ``contiguous``/``clone``/``reshape`` that copies, casts and strided assignments)
+    come from, most time first: the calling Python frames outside torch (forward ops), or the autograd
+    node that ran it (backward ops run on the autograd engine's thread, without a Python stack). Time is
+    the copy kernels' GPU time on CUDA, the op's own CPU time elsewhere. Returns the rows
+    ``{"ms", "count", "where", "shapes"}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    groups: dict = {}
+    for e in prof.events():
+        if e.name != "aten::copy_":
+            continue
+        ms = (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3
+        if ms <= 0:
+            continue
+        frames, node, p = [], None, e.cpu_parent  # the profiler records Python frames as parent events
+        while p is not None and len(frames) < 3:
+            if p.name.startswith("autograd::engine::evaluate_function: ") and node is None and not frames:
+                node = p.name.split(": ", 1)[1]
+            elif ".py(" in p.name and not p.name.startswith("torch/"):
+                frames.append(p.name)
+            p = p.cpu_parent
+        key = " <- ".join(([f"backward {node}"] if node else []) + frames) or "(no Python stack)"
+        g = groups.setdefault(key, {"ms": 0.0, "count": 0, "where": key, "shapes": str(e.input_shapes)[:80]})
+        g["ms"] += ms
+        g["count"] += 1
+    rows = sorted(groups.values(), key=lambda g: -g["ms"])
+    total = sum(g["ms"] for g in rows)
+    print(f"{title}: {total:.3f} ms of copies ({'GPU' if cuda else 'CPU'}), {sum(g['count'] for g in rows)} calls; "
+          f"top {top} call sites:")
+    for g in rows[:top]:
+        print(f"  {g['ms']:8.3f} ms  x{g['count']:<4d} {g['shapes']}  {g['where'][:300]}")
+    return rows
+
+
 def print_table(rows: list[dict], cols: list[str]) -> None:
     """The rows as a markdown table (floats to 3 significant digits), columns in ``cols`` order."""
     print("| " + " | ".join(cols) + " |")

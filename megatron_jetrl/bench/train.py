@@ -86,7 +86,8 @@ class _LagProbe:
             h.remove()
 
 
-def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: int = 0, lag: bool = False) -> dict:
+def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: int = 0, lag: bool = False,
+           copies: int = 0) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -152,6 +153,12 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: i
         out["logprob_lag"] = probe.run(lambda: actor.compute_logprobs(batch), f"{mode} logprob pass")
         out["train_lag"] = probe.run(lambda: actor.train_step(batch), f"{mode} train step (forwards probed)")
         probe.remove()
+    if copies:  # where the passes' tensor copies come from (call sites, or the autograd node in backward)
+        from megatron_jetrl.bench.timing import copy_sources
+
+        mode = cfg.precision.mode
+        copy_sources(lambda: actor.compute_logprobs(batch), f"{mode} logprob pass", copies)
+        copy_sources(lambda: actor.train_step(batch), f"{mode} train step", copies)
     if cprofile:  # the host side: where Python spends one training step and one logprob pass
         _host_profile(lambda: actor.train_step(batch), f"{cfg.precision.mode} train step", cprofile)
         _host_profile(lambda: actor.compute_logprobs(batch), f"{cfg.precision.mode} logprob pass", cprofile)
@@ -190,6 +197,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lag", action="store_true",
                     help="also run one logprob pass and one training step per mode with a CUDA event at every layer's "
                          "forward: how far the GPU runs behind the host there (near 0: the host is the bottleneck)")
+    ap.add_argument("--copies", type=int, default=0, metavar="TOP",
+                    help="also print the TOP call sites of the tensor copies of one logprob pass and one training step "
+                         "per mode (profiler with Python stacks; backward copies by autograd node)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -203,7 +213,7 @@ def main(argv=None) -> list[dict]:
                 *args.overrides, f"precision.mode={mode}", f"model.num_layers={layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
             res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile, args.cprofile,
-                               args.lag)
+                               args.lag, args.copies)
         rows.append({"layers": layers, "seq": seq, **{f"{m}_{k}": v for m, r in res.items() for k, v in r.items()},
                      "phase_speedup": res["bf16"]["phase"] / res["jet"]["phase"],
                      "train_speedup": res["bf16"]["train"] / res["jet"]["train"],
