@@ -340,6 +340,14 @@ class AlgoConfig:
     """Truncated importance sampling cap C (fp8_rollout mode); None = off."""
     micro_batch_size: int = 8
     """Sequences per forward/backward micro-batch."""
+    pad_tokens_to: int = -1
+    """Right-pad each micro-batch's sequences (pad positions are masked out: logprobs, loss, gradients of
+    the real tokens and metrics are those of the unpadded batch) so a micro-batch holds a multiple of this
+    many tokens. 0 = off. -1 (auto) = FP8 training (``jet``) on a GPU: 512, the token count cuBLAS's
+    block-scaled GEMMs take as is: otherwise every FP8 GEMM pads copies of its operands and the weight-gradient
+    GEMM cannot accumulate into megatron's fp32 ``main_grad`` (it returns a BF16 gradient that DDP adds);
+    16 (the GEMMs' row alignment) where 512 would add more than 1/16 of the sequence length; off elsewhere.
+    Never past ``model.max_position_embeddings``."""
     sft_warmup_steps: int = 0
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None
@@ -347,6 +355,8 @@ class AlgoConfig:
 
     def __post_init__(self):
         _positive(self, "algo", "lr", "micro_batch_size")
+        _check(self.pad_tokens_to >= -1, "algo.pad_tokens_to", f"{self.pad_tokens_to} < -1",
+               "use -1 (auto), 0 (off) or a positive token multiple such as 512")
         _check(self.tis_cap is None or self.tis_cap >= 1.0, "algo.tis_cap",
                f"{self.tis_cap} < 1", "use a cap >= 1 (e.g. 2.0) or null")
 

@@ -421,3 +421,60 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(s, t) for (a, s), (b, t) in zip(c1, c0))
     assert len(o1) == len(o0) and all(torch.equal(a, b) for a, b in zip(o1, o0))
     assert all(torch.equal(a, b) for a, b in zip(w1, w0))
+
+
+def test_train_seq_len_rule():
+    """algo.pad_tokens_to: auto pads FP8-on-GPU micro-batches to 512 tokens unless that adds > 1/16 of the
+    length (then 16), never past max_position_embeddings; explicit multiples and 0 (off)."""
+    from megatron_jetrl.trainer.actor import padded_length, train_seq_len
+
+    assert padded_length(1049, 8, 512) == 1088 and padded_length(1049, 1, 512) == 1536
+    assert padded_length(1049, 3, 512) == 1536 and padded_length(1049, 4, 512) == 1152  # 4 x 1152 = 9 x 512
+    assert train_seq_len(1049, 8, -1, True, 8192) == 1088  # 8 x 1088 = 17 x 512
+    assert train_seq_len(1049, 1, -1, True, 8192) == 1056  # 512 would add 487 tokens: 16 instead
+    assert train_seq_len(1049, 8, -1, True, 1060) == 1050  # 1088 passes max_position_embeddings: 16 (8 x 1050)
+    assert train_seq_len(4096, 1, -1, True, 8192) == 4096  # already aligned
+    assert train_seq_len(1049, 8, -1, False, 8192) == 1049  # bf16 / CPU: off
+    assert train_seq_len(1049, 8, 0, True, 8192) == 1049
+    assert train_seq_len(11, 2, 64, False, 64) == 32 and train_seq_len(40, 2, 64, False, 60) == 40  # 64 > max: as is
+
+
+@pytest.mark.parametrize("mode", ["bf16", "jet"])
+def test_padded_microbatches_equal_the_unpadded(mode, tmp_path, megatron_single):
+    """Right-padding each micro-batch (algo.pad_tokens_to) changes nothing the trainer reports: the same
+    logprobs, policy loss, entropy and (bf16) weight gradients as the unpadded batch; jet's
+    weight gradient sees the pad tokens in its last 128-token block's scale only (grad norm within 1%)."""
+    from megatron_jetrl.trainer.actor import build_batch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 6)]
+    responses = [torch.randint(1, 60, (n,), generator=g).tolist() for n in (6, 4, 7, 5)]
+    res = {}
+    for pad in (0, 64):
+        run = _tiny_run(tmp_path / str(pad), "steps=1", "algo.sft_warmup_steps=0", f"precision.mode={mode}",
+                        "algo.micro_batch_size=2", f"algo.pad_tokens_to={pad}")
+        try:
+            actor = run.actor
+            dev = next(actor.module.parameters()).device
+            batch = build_batch(prompts, responses, [[-1.0] * len(r) for r in responses],
+                                torch.tensor([1.0, -1.0, 0.5, -0.5]), 0, dev)
+            assert actor.seq_len(batch) == (32 if pad else 10)  # S - 1 = 10; 2 x 32 = 64 tokens
+            logp = actor.compute_logprobs(batch)
+            assert logp.shape == (4, 10)
+            batch.old_logp = logp - 0.1 * batch.mask  # ratios off 1: some tokens clipped
+            m = actor.train_step(batch)
+            res[pad] = (logp, m, [p.main_grad.detach().clone() for p in actor.module.parameters()])
+        finally:
+            from megatron_jetrl.train import close
+
+            close(run)
+    (lp0, m0, w0), (lp1, m1, w1) = res[0], res[64]
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    for k in ("pg_loss", "entropy"):
+        assert abs(m1[k] - m0[k]) <= 1e-5 * max(1.0, abs(m0[k])), (k, m1[k], m0[k])
+    if mode == "bf16":  # the weight gradients megatron's DDP accumulated (fp32 main_grad)
+        assert abs(m1["grad_norm"] - m0["grad_norm"]) <= 1e-5 * m0["grad_norm"]
+        for a, b in zip(w1, w0):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()) + 1e-12)
+    else:
+        assert m0["grad_norm"] > 0 and abs(m1["grad_norm"] - m0["grad_norm"]) <= 0.01 * m0["grad_norm"]

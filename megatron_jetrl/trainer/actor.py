@@ -113,29 +113,71 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     return lse - sums[1] / sums[0]
 
 
-def _microbatch(b: RLBatch) -> dict:
-    inputs = b.tokens[:, :-1]
+def padded_length(s: int, micro_batch: int, multiple: int, max_len: Optional[int] = None) -> int:
+    """The smallest length >= ``s`` at which ``micro_batch`` sequences hold a multiple of ``multiple`` tokens
+    (``s`` itself for ``multiple`` <= 1 or when that length passes ``max_len``)."""
+    import math
+
+    if multiple <= 1:
+        return s
+    step = multiple // math.gcd(multiple, micro_batch)
+    p = -(-s // step) * step
+    return s if max_len is not None and p > max_len else p
+
+
+def train_seq_len(s: int, micro_batch: int, pad_tokens_to: int, fp8_gpu: bool, max_len: Optional[int]) -> int:
+    """The model's input length for micro-batches of ``micro_batch`` sequences of ``s`` positions under
+    ``algo.pad_tokens_to`` (see its doc; ``fp8_gpu``: the training linears run FP8 GEMMs on a GPU)."""
+    if pad_tokens_to >= 0:
+        return padded_length(s, micro_batch, pad_tokens_to, max_len)
+    if not fp8_gpu:
+        return s
+    p = padded_length(s, micro_batch, 512)
+    if 16 * (p - s) <= s and (max_len is None or p <= max_len):
+        return p
+    return padded_length(s, micro_batch, 16, max_len)
+
+
+def _microbatch(b: RLBatch, seq_len: Optional[int] = None) -> dict:
+    """The model inputs of a micro-batch (positions 0..S-2), right-padded to ``seq_len`` positions; ``targets``
+    are the labels (positions 1..S-1) padded alike. Pad positions come after every real one, so under the
+    causal mask they change nothing before them; :func:`_logp` cuts them off the logprobs."""
+    inputs, targets = b.tokens[:, :-1], b.tokens[:, 1:]
+    if seq_len is not None and seq_len > inputs.shape[1]:
+        pad = (0, seq_len - inputs.shape[1])
+        inputs, targets = torch.nn.functional.pad(inputs, pad), torch.nn.functional.pad(targets, pad)
     return {"tokens": inputs, "position_ids": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs),
-            "batch": b}
+            "targets": targets, "batch": b}
+
+
+def _logp(mb: dict, logits: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True
+          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`vocab_parallel_logp_entropy` of a micro-batch's targets, without its pad positions ([b, S-1])."""
+    logp, ent = vocab_parallel_logp_entropy(logits, mb["targets"], temperature, with_entropy, entropy_grad)
+    n = mb["batch"].tokens.shape[1] - 1
+    if logp.shape[1] != n:
+        logp, ent = logp[:, :n], None if ent is None else ent[:, :n]
+    return logp, ent
 
 
 @torch.no_grad()
-def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int) -> Optional[torch.Tensor]:
+def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int,
+                   seq_len: Optional[int] = None) -> Optional[torch.Tensor]:
     """Logprobs of ``batch``'s labels [N, S-1] from a forward of ``model`` in its current (training)
-    precision, through the pipeline schedule; None on non-last pipeline stages."""
+    precision, through the pipeline schedule (inputs right-padded to ``seq_len``); None on non-last
+    pipeline stages."""
     from megatron.core import parallel_state
 
     out = []
 
     def loss_func(mb, logits):
-        b = mb["batch"]
-        logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], temperature, False)
+        logp, _ = _logp(mb, logits, temperature, False)
         out.append(logp)
         return logp.sum() * 0, {}
 
     was = model.training
     model.eval()
-    run_microbatches(model, [_microbatch(b) for b in batch.split(micro_batch_size)], loss_func, True)
+    run_microbatches(model, [_microbatch(b, seq_len) for b in batch.split(micro_batch_size)], loss_func, True)
     model.train(was)
     return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
 
@@ -181,6 +223,8 @@ class Actor:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.algo, self.fp8_state, self.temperature = algo, fp8_state, temperature
+        # the training linears run FP8 GEMMs on a GPU (algo.pad_tokens_to's auto rule)
+        self._fp8_gpu = fp8_state.recipe.train_fp8 and next(model.parameters()).is_cuda
         self.dp = parallel_state.get_data_parallel_world_size()
         use_dist_opt = parallel.distributed_optimizer and self.dp > 1
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -314,7 +358,14 @@ class Actor:
         None elsewhere)."""
         if model is None:
             self.release_weights()
-        return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size)
+        return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size,
+                              self.seq_len(batch))
+
+    def seq_len(self, batch: RLBatch) -> int:
+        """The model's input length for ``batch``'s micro-batches (``algo.pad_tokens_to``)."""
+        s = batch.tokens.shape[1] - 1
+        return train_seq_len(s, min(self.algo.micro_batch_size, batch.tokens.shape[0]), self.algo.pad_tokens_to,
+                             self._fp8_gpu, getattr(self.module, "max_position_embeddings", None))
 
     def _global_count(self, x: float) -> float:
         from megatron.core import parallel_state
@@ -363,8 +414,7 @@ class Actor:
 
         def loss_func(mb, logits):
             b = mb["batch"]
-            logp, ent = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], self.temperature,
-                                                    with_entropy=True, entropy_grad=bool(a.entropy_coef))
+            logp, ent = _logp(mb, logits, self.temperature, with_entropy=True, entropy_grad=bool(a.entropy_coef))
             is_w = None
             if a.tis_cap is not None:
                 is_w = L.truncated_is_weights(b.old_logp, b.rollout_logp, a.tis_cap)
@@ -390,7 +440,8 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
-        run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
+        seq_len = self.seq_len(batch)
+        run_microbatches(self.model, [_microbatch(b, seq_len) for b in mbs], loss_func, forward_only=False)
         drop_dgrad_weights(self.module)
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
@@ -409,13 +460,14 @@ class Actor:
 
         def loss_func(mb, logits):
             b = mb["batch"]
-            logp, _ = vocab_parallel_logp_entropy(logits, b.tokens[:, 1:], 1.0, False)
+            logp, _ = _logp(mb, logits, 1.0, False)
             losses.append(L.masked_mean(-logp.detach(), b.mask))  # summed on the host once, below
             return -(logp * b.mask).sum() * scale, {}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        run_microbatches(self.model, [_microbatch(b) for b in mbs], loss_func, forward_only=False)
+        seq_len = self.seq_len(batch)
+        run_microbatches(self.model, [_microbatch(b, seq_len) for b in mbs], loss_func, forward_only=False)
         drop_dgrad_weights(self.module)
         out = self._optimizer_step(self.algo.sft_lr)
         out["sft_loss"] = float(sum(losses) / len(losses)) if losses else 0.0
