@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_step_harness(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "bench", "step", "--preset", "tiny", "--steps", "1",
                           "--warmup", "0", "--plot", str(tmp_path / "phases.png"), "--json", str(tmp_path / "rows.json"),
-                          "rollout.prompts_per_step=2"], env=dict(os.environ, PYTHONPATH=REPO), cwd=tmp_path,
+                          "rollout.prompts_per_step=2", "algo.pad_tokens_to=64"], env=dict(os.environ, PYTHONPATH=REPO), cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.load(open(tmp_path / "rows.json"))
@@ -18,6 +18,7 @@ def test_bench_step_harness(tmp_path):
     for r in rows:
         assert abs(r["step"] - sum(r[p] for p in ("rollout", "logprob", "train", "weight_sync"))) < 1e-9
         assert 0 <= r["requant_handover_share"] < 1
+        assert r["train_seq_len"] > 0 and 16 * r["train_seq_len"] % 64 == 0  # 16 sequences per micro-batch
     assert rows[0]["requant"] == 0 and rows[2]["requant"] > 0  # bf16 quantizes nothing
     assert "step speedup vs bf16" in out.stdout and os.path.getsize(tmp_path / "phases.png") > 10_000
 

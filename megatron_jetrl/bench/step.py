@@ -51,6 +51,7 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     out["step"] = statistics.median(sum(r[f"time_{p}"] for p in PHASES) for r in rows)
     out["requant_handover_share"] = (out["requant"] + out["weight_sync"]) / out["step"]
     out["mismatch_abs_mean"] = statistics.mean(r["mismatch_abs_mean"] for r in rows)
+    out["train_seq_len"] = statistics.median(r.get("train_seq_len", 0.0) for r in rows)  # padded (algo.pad_tokens_to)
     out["tokens_per_s_rollout"] = float(statistics.median(float(r["tokens_per_s"]) for r in rows))
     out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     del run
@@ -102,7 +103,7 @@ def main(argv=None) -> list[dict]:
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
-    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "tokens_per_s_rollout", "peak_GiB"]
+    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "tokens_per_s_rollout", "train_seq_len", "peak_GiB"]
     shown = rows
     if base:  # the ratios are printed, not stored in the rows
         shown = [{**r, "step speedup vs bf16": f"{base['step'] / r['step']:.3f}",

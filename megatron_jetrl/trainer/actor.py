@@ -446,6 +446,8 @@ class Actor:
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
         out["time_fwd_bwd"] = fwd_bwd
+        # the model's input length and the share of it that is padding (algo.pad_tokens_to)
+        out["train_seq_len"], out["train_pad_frac"] = float(seq_len), 1.0 - (batch.tokens.shape[1] - 1) / seq_len
         if stats:  # one host sync for all micro-batches' statistics
             for k in stats[0]:
                 out[k] = float(sum(s[k] for s in stats) / len(stats))
