@@ -343,11 +343,10 @@ class AlgoConfig:
     pad_tokens_to: int = -1
     """Right-pad each micro-batch's sequences (pad positions are masked out: logprobs, loss, gradients of
     the real tokens and metrics are those of the unpadded batch) so a micro-batch holds a multiple of this
-    many tokens. 0 = off. -1 (auto) = FP8 training (``jet``) on a GPU: 512, the token count cuBLAS's
-    block-scaled GEMMs take as is: otherwise every FP8 GEMM pads copies of its operands and the weight-gradient
-    GEMM cannot accumulate into megatron's fp32 ``main_grad`` (it returns a BF16 gradient that DDP adds);
-    16 (the GEMMs' row alignment) where 512 would add more than 1/16 of the sequence length; off elsewhere.
-    Never past ``model.max_position_embeddings``."""
+    many tokens. 0 = off. -1 (auto) = FP8 training (``jet``) on a GPU: 16, the row alignment of cuBLAS's
+    block-scaled GEMMs (otherwise every forward and dgrad GEMM pads a copy of its activation operand; the
+    weight-gradient GEMM's token dimension is padded to 512 inside the quantizers' buffers whatever this is);
+    off elsewhere. Never past ``model.max_position_embeddings``."""
     sft_warmup_steps: int = 0
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None

@@ -46,15 +46,18 @@ def test_triton_act_quant_bit_identical(shape, scale_fmt, dtype):
 @pytest.mark.parametrize("tile", [False, True])
 @pytest.mark.parametrize("shape", [(300, 200), (1024, 2048)])
 def test_triton_transposed_quant_bit_identical(shape, tile, scale_fmt):
+    """The transposed quantizer (wgrad operands), also with the token dimension padded to 512 in its own
+    buffers (``pad_to``: zero bytes, scale 1)."""
     recipe = FP8Recipe(scale_fmt=scale_fmt)
     x = _x(shape)
-    q_t, s_t = quantize_transposed(x, recipe, tile, use_triton=True)
-    q_r, s_r = quantize_transposed(x, recipe, tile, use_triton=False)
-    assert _same(q_t, q_r) and torch.equal(s_t, s_r)
     xq, xs = quantize_act(x, recipe)  # from saved FP8 activations
-    q_t, s_t = quantize_transposed(xq, recipe, tile, x_scale=xs, use_triton=True)
-    q_r, s_r = quantize_transposed(xq, recipe, tile, x_scale=xs, use_triton=False)
-    assert _same(q_t, q_r) and torch.equal(s_t, s_r)
+    for pad in (0, 512):
+        q_t, s_t = quantize_transposed(x, recipe, tile, use_triton=True, pad_to=pad)
+        q_r, s_r = quantize_transposed(x, recipe, tile, use_triton=False, pad_to=pad)
+        assert _same(q_t, q_r) and torch.equal(s_t, s_r) and q_t.shape[1] == -(-shape[0] // (pad or 1)) * (pad or 1)
+        q_t, s_t = quantize_transposed(xq, recipe, tile, x_scale=xs, use_triton=True, pad_to=pad)
+        q_r, s_r = quantize_transposed(xq, recipe, tile, x_scale=xs, use_triton=False, pad_to=pad)
+        assert _same(q_t, q_r) and torch.equal(s_t, s_r)
 
 
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
@@ -573,11 +576,14 @@ def test_cublaslt_wgrad_accumulates_into_fp32(T, N, K):
     assert not accumulate_supported(dytq[:, :300], xtq[:, :300], out, "scaled_mm")  # ragged tokens: unfused path
 
 
-def test_jet_wgrad_accumulation_into_main_grad_on_gpu(megatron_single):
+@pytest.mark.parametrize("seq", [256, 300])
+def test_jet_wgrad_accumulation_into_main_grad_on_gpu(seq, megatron_single):
     """The fused wgrad accumulation in the model under megatron's DDP on the H200 (cuBLASLt for the FP8
     linears, torch.addmm with an fp32 output for megatron's BF16 LM head; bf16 parameters):
     the same protocol checks as the CPU test, and main_grads within BF16 rounding of the unfused path's
-    (which rounds each micro-batch's wgrad to BF16 before the hook adds it)."""
+    (which rounds each micro-batch's wgrad to BF16 before the hook adds it). At 2 x 300 tokens the wgrad
+    operands are padded to 1024 tokens in the quantizers' buffers (``gemm.wgrad_token_pad``), so every FP8
+    linear still accumulates (before, cuBLASLt refused 600 tokens and the unfused path ran)."""
     import os
 
     from megatron_jetrl.config import load_config
@@ -592,8 +598,8 @@ def test_jet_wgrad_accumulation_into_main_grad_on_gpu(megatron_single):
                                backend="auto")
     assert state.backend == "scaled_mm"
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, cfg.model.vocab_size, (2, 256), generator=g).cuda() for _ in range(2)]
-    grads, fused = ddp_main_grads_fused_vs_unfused(model, state, batches, torch.arange(256, device="cuda").expand(2, 256))
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, seq), generator=g).cuda() for _ in range(2)]
+    grads, fused = ddp_main_grads_fused_vs_unfused(model, state, batches, torch.arange(seq, device="cuda").expand(2, seq))
     assert fused
     for step in range(2):
         for n, ref in grads[False, step].items():
@@ -616,6 +622,9 @@ def test_dual_gradient_quantizer_bit_identical(M, N, dtype, scale_fmt):
     qtr, str_ = quantize_transposed(d, recipe, False, use_triton=False)
     assert _same(q, qr) and torch.equal(s, sr) and s.stride() == (1, M)
     assert _same(qt, qtr) and torch.equal(st, str_)
+    qtp, stp = quantize_dual(d, recipe, scale_col_major=True, pad_to=512)[2:]  # wgrad operand padded to 512 tokens
+    qtrp, strp = quantize_transposed(d, recipe, False, use_triton=False, pad_to=512)
+    assert _same(qtp, qtrp) and torch.equal(stp, strp) and qtp.shape[1] % 512 == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -605,7 +605,9 @@ def test_dual_gradient_quantizer_under_the_interpreter():
     same bytes and scales as the 1x128 quantizer (dgrad operand, both scale layouts) and the transposed
     1x128 quantizer (wgrad operand), ragged shapes included; the SwiGLU-backward form equals the SwiGLU
     backward kernel followed by it (fp32: the interpreter's bf16 rounding is not the GPU's; bf16 bytes
-    are checked on the H200, tests/test_gpu.py)."""
+    are checked on the H200, tests/test_gpu.py); the wgrad operands padded to 512 tokens in the kernels'
+    buffers (``pad_to``) hold the same bytes and scales in front and zero bytes of scale 1 behind, and so do
+    the torch path's."""
     import subprocess
     import sys
 
@@ -635,6 +637,38 @@ for fmt in ("fp32", "ue8m0"):
             got = swiglu_backward_dual_triton(y, da, r, True, plan=plan)
             for a, b in zip(got, ref):
                 assert (same(a, b) if a.dtype != torch.float32 else torch.equal(a, b)), (M, F, plan)
+# the wgrad operands padded to 512 tokens in the kernels' own buffers (gemm.wgrad_token_pad): the same bytes and
+# scales in front, zero bytes with scale 1 behind; the torch path pads alike
+from megatron_jetrl.precision.quant import quantize_transposed
+r = FP8Recipe(mode="jet")
+pad_ok = lambda qp, sp, q, s_: (qp.shape[1] % 512 == 0 and same(qp[:, : q.shape[1]].contiguous(), q)
+                                and not qp.view(torch.uint8)[:, q.shape[1]:].any() and torch.equal(sp[:, : s_.shape[1]], s_)
+                                and bool((sp[:, s_.shape[1]:] == 1).all()) and sp.shape[1] == qp.shape[1] // 128)
+for M, N in ((300, 200), (600, 256), (512, 128)):
+    d = torch.randn(M, N, generator=g) * 3
+    qt, st = quantize_dual_triton(d, r, True)[2:]
+    qtp, stp = quantize_dual_triton(d, r, True, pad_to=512)[2:]
+    assert pad_ok(qtp, stp, qt, st) and (qtp.shape[1] == M) is (M % 512 == 0), (M, N)
+    for tile in (False, True):
+        for xs_ in (None, quantize_act_triton(d, r)):
+            src = d if xs_ is None else xs_[0]
+            q, s_ = quantize_transposed_triton(src, r, tile, None if xs_ is None else xs_[1])
+            qp, sp = quantize_transposed_triton(src, r, tile, None if xs_ is None else xs_[1], pad_to=512)
+            assert pad_ok(qp, sp, q, s_), (M, N, tile)
+            # the torch path (its FP8 casts round like the GPU's, not like the interpreter's: compared on the H200)
+            qc, sc = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False)
+            qcp, scp = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False, pad_to=512)
+            assert pad_ok(qcp, scp, qc, sc) and qcp.shape == qp.shape and scp.shape == sp.shape, (M, N, tile)
+y = torch.randn(200, 512, generator=g)
+da = torch.randn(200, 256, generator=g)
+ref = swiglu_backward_dual_triton(y, da, r, True)
+got = swiglu_backward_dual_triton(y, da, r, True, pad_to=512)
+assert same(got[0], ref[0]) and torch.equal(got[1], ref[1]) and pad_ok(got[2], got[3], ref[2], ref[3])
+try:
+    quantize_transposed_triton(d, r, False, pad_to=200)
+    raise SystemExit("pad_to not a multiple of the group accepted")
+except ValueError as e:
+    assert "multiple of the group size" in str(e)
 try:
     swiglu_backward_dual_triton(torch.zeros(4, 200), torch.zeros(4, 100), FP8Recipe(mode="jet"))
     raise SystemExit("F not a multiple of 128 accepted")
@@ -1058,3 +1092,61 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
     assert loss.shape == (b, s) and seen[0].is_contiguous()
     hook.remove()
     nhook.remove()
+
+
+@pytest.mark.parametrize("path", ["dual", "separate", "link"])
+def test_wgrad_operands_padded_to_512_tokens_give_the_same_gradients(path, megatron_single, monkeypatch):
+    """``gemm.wgrad_token_pad`` (on the H200's scaled_mm backend: a micro-batch's token count not a multiple of
+    512): the wgrad quantizers write dy^T and x^T into buffers padded to 512 tokens (zero bytes, scale 1), so
+    the wgrad GEMM takes them as they are and accumulates into megatron's ``main_grad``. Forced here on the
+    emulated backend for 2 x 13 tokens, through megatron's DDP: every ``main_grad`` and the input gradient equal
+    the unpadded run's, the accumulation saw 512-token operands, for the one-pass gradient quantizer
+    (``dual``), one quantizer per operand (``JETRL_FUSED_DY_QUANT=0``) and the fc2 -> fc1 hand-off
+    (``JETRL_SWIGLU_GRAD_LINK=1``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.models.grad_accum import enable
+    from megatron_jetrl.precision import gemm
+
+    if path == "separate":
+        monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")
+    if path == "link":
+        monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", "1")
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False))
+    enable(model, True)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 13), generator=g)
+    pos = torch.arange(13).expand(2, 13)
+    real_pad, real_acc = gemm.wgrad_token_pad, gemm.block_gemm_accumulate
+    seen = []
+
+    def acc(a, a_s, b, b_s, out, *rest, **k):
+        seen.append((a.shape[1], b.shape[1], a_s.shape[1], b_s.shape[1]))
+        return real_acc(a, a_s, b, b_s, out, *rest, **k)
+
+    monkeypatch.setattr(gemm, "block_gemm_accumulate", acc)
+    res = {}
+    for pad in (0, 512):
+        monkeypatch.setattr(gemm, "wgrad_token_pad", lambda t, backend, group=128, _p=pad: _p if t % 512 else 0)
+        ddp.zero_grad_buffer()
+        seen.clear()
+        emb_out = []  # the embedding's output: its gradient is what the FP8 dgrads hand back through the layers
+        hook = model.embedding.word_embeddings.register_forward_hook(lambda m, i, o: emb_out.append(o) or o.retain_grad())
+        ddp(tokens, pos, None, labels=tokens).float().mean().backward()
+        hook.remove()
+        # dy^T and x^T: 512 tokens in 4 scale groups padded, else the 26 tokens in 1 (partial) group
+        assert seen and all(s == ((512, 512, 4, 4) if pad else (26, 26, 1, 1)) for s in seen), seen
+        res[pad] = ({n: p.main_grad.clone() for n, p in model.named_parameters()}, emb_out[0].grad.clone())
+    monkeypatch.setattr(gemm, "wgrad_token_pad", real_pad)
+    (g0, x0), (g1, x1) = res[0], res[512]
+    assert torch.equal(x1, x0) and x0.abs().sum() > 0
+    for n, ref in g0.items():
+        assert ref.abs().sum() > 0, n
+        torch.testing.assert_close(g1[n], ref, rtol=1e-6, atol=1e-7, msg=n)

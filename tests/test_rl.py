@@ -424,18 +424,19 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
 
 
 def test_train_seq_len_rule():
-    """algo.pad_tokens_to: auto pads FP8-on-GPU micro-batches to 512 tokens unless that adds > 1/16 of the
-    length (then 16), never past max_position_embeddings; explicit multiples and 0 (off)."""
+    """algo.pad_tokens_to: auto pads FP8-on-GPU micro-batches to a multiple of 16 tokens (the GEMMs' row
+    alignment), never past max_position_embeddings; explicit multiples and 0 (off)."""
     from megatron_jetrl.trainer.actor import padded_length, train_seq_len
 
     assert padded_length(1049, 8, 512) == 1088 and padded_length(1049, 1, 512) == 1536
     assert padded_length(1049, 3, 512) == 1536 and padded_length(1049, 4, 512) == 1152  # 4 x 1152 = 9 x 512
-    assert train_seq_len(1049, 8, -1, True, 8192) == 1088  # 8 x 1088 = 17 x 512
-    assert train_seq_len(1049, 1, -1, True, 8192) == 1056  # 512 would add 487 tokens: 16 instead
-    assert train_seq_len(1049, 8, -1, True, 1060) == 1050  # 1088 passes max_position_embeddings: 16 (8 x 1050)
-    assert train_seq_len(4096, 1, -1, True, 8192) == 4096  # already aligned
+    assert train_seq_len(1049, 8, -1, True, 8192) == 1050  # 8 x 1050 = 525 x 16
+    assert train_seq_len(1049, 1, -1, True, 8192) == 1056
+    assert train_seq_len(1028, 8, -1, True, 8192) == 1028  # 8 x 1028: aligned (the RL step's shape)
+    assert train_seq_len(1049, 1, -1, True, 1050) == 1049  # 1056 passes max_position_embeddings: as is
     assert train_seq_len(1049, 8, -1, False, 8192) == 1049  # bf16 / CPU: off
     assert train_seq_len(1049, 8, 0, True, 8192) == 1049
+    assert train_seq_len(1049, 8, 512, False, 8192) == 1088  # 8 x 1088 = 17 x 512
     assert train_seq_len(11, 2, 64, False, 64) == 32 and train_seq_len(40, 2, 64, False, 60) == 40  # 64 > max: as is
 
 

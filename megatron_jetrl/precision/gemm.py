@@ -83,6 +83,16 @@ def _k_major(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
+def wgrad_token_pad(tokens: int, backend: str, group: int = 128) -> int:
+    """The multiple the weight-gradient operands' token (contraction) dimension is padded to, in the
+    quantizers' own buffers (``quant.quantize_transposed(..., pad_to=)``): ``4 * group`` on ``scaled_mm`` when
+    ``tokens`` is not one already (cuBLAS's block-scaled kernels take whole multiples of 4 groups: otherwise
+    :func:`_scaled_mm` pads copies of both operands and the cuBLASLt accumulation into ``main_grad`` refuses
+    them), else 0 (nothing to pad; the emulated backend takes any length)."""
+    kq = 4 * group
+    return kq if backend == "scaled_mm" and tokens % kq else 0
+
+
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if t.shape == (rows, cols):
         return t

@@ -6,7 +6,9 @@ transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along toke
 128x128 from the saved FP8 activations) or BF16 per recipe; with an FP8 wgrad both of dy's operands come
 from one pass over dy (``quant.quantize_dual``); under megatron's DDP the FP8 wgrad adds its
 fp32 result straight into the weight's fp32 ``main_grad`` (gradient-accumulation fusion,
-``precision/cublaslt.py``). Only the FP8 activations and their scales are saved for backward.
+``precision/cublaslt.py``; the wgrad operands' token dimension is padded to a multiple of 512 in the
+quantizers' buffers where cuBLAS needs it, ``gemm.wgrad_token_pad``). Only the FP8 activations and their
+scales are saved for backward.
 Gradients between ops stay BF16; fp32 master weights stay in the optimizer.
 
 Fused weights are quantized per logical sub-matrix in the rollout's (HF/SGLang) layout: Megatron's
@@ -304,9 +306,14 @@ class SwigluGradLink:
 def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None):
     """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring); ``pre``: dy's
     four FP8 operands (``quantize_dual``'s), computed by the op that produced dy."""
+    from megatron_jetrl.precision import gemm
+
     recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
     N = dy.shape[-1]
     dy2 = dy.reshape(-1, N)
+    # the wgrad operands' token dimension padded in the quantizers' buffers to what the GEMM takes as is
+    # (gemm.wgrad_token_pad; a hand-off's operands, pre, come padded alike)
+    pad = gemm.wgrad_token_pad(dy2.shape[0], backend, g)
     if pre is not None:
         if perm is not None or recipe.wgrad != "fp8":
             raise RuntimeError("pre-quantized output gradient handed to a permuted or BF16-wgrad FP8 linear")
@@ -315,11 +322,11 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None)
         if perm is not None:
             dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
         if recipe.wgrad == "fp8" and fused_dy_quant():  # both of dy's operands below in one pass
-            dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, recipe, scale_col_major=backend == "scaled_mm")
+            dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, recipe, scale_col_major=backend == "scaled_mm", pad_to=pad)
         else:
             dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
             if recipe.wgrad == "fp8":
-                dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False)
+                dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False, pad_to=pad)
     # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T (the same bytes, K-major: the
     # step's one transpose from the cache when precision.cache_dgrad_weights, else one per micro-batch)
     wt = ctx.cache.dgrad_operand(qweight) if ctx.cache is not None else qweight.t()
@@ -327,7 +334,7 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None)
     # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
     # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
     if recipe.wgrad == "fp8":
-        xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs)
+        xt_q, xt_s = quantize_transposed(xq, recipe, tile_scale=True, x_scale=xs, pad_to=pad)
         main_grad = _main_grad_target(ctx, inv_perm, dyt_q, xt_q)
         if main_grad is not None and _accumulate(dyt_q, dyt_s, xt_q, xt_s, main_grad, backend, g):
             # megatron's gradient-accumulation-fusion protocol (as with TransformerEngine / APEX)
@@ -376,8 +383,12 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
         if ctx.link is not None:  # fc1's dgrad/wgrad operands in one pass; autograd gets a zero placeholder
-            ctx.link.operands = swiglu_backward_dual(y.reshape(-1, y.shape[-1]), da.reshape(-1, da.shape[-1]),
-                                                     ctx.recipe, scale_col_major=ctx.backend == "scaled_mm")
+            from megatron_jetrl.precision import gemm
+
+            y2 = y.reshape(-1, y.shape[-1])
+            ctx.link.operands = swiglu_backward_dual(
+                y2, da.reshape(-1, da.shape[-1]), ctx.recipe, scale_col_major=ctx.backend == "scaled_mm",
+                pad_to=gemm.wgrad_token_pad(y2.shape[0], ctx.backend, ctx.recipe.group_size))
             dy = torch.zeros((), dtype=y.dtype, device=y.device).expand(y.shape)
         else:
             dy = swiglu_backward(y, da)

@@ -134,32 +134,33 @@ def swiglu_backward(y: torch.Tensor, da: torch.Tensor, use_triton: bool | None =
     return torch.cat([dgate, dup], -1).to(y.dtype)
 
 
-def quantize_dual(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, use_triton: bool | None = None):
+def quantize_dual(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, use_triton: bool | None = None,
+                  pad_to: int = 0):
     """A gradient ``d`` [M, N] quantized both ways the FP8 backward needs: ``quantize_act(d)`` (dgrad) and
-    ``quantize_transposed(d, tile_scale=False)`` (wgrad), returned as ``(q, scale_inv, q_t, scale_inv_t)``;
-    on CUDA one Triton pass that reads ``d`` once (same bytes and scales)."""
+    ``quantize_transposed(d, tile_scale=False, pad_to=pad_to)`` (wgrad), returned as ``(q, scale_inv, q_t,
+    scale_inv_t)``; on CUDA one Triton pass that reads ``d`` once (same bytes and scales)."""
     if use_triton is None:
         use_triton = d.is_cuda
     if use_triton:
         from megatron_jetrl.precision.triton_quant import quantize_dual_triton
 
-        return quantize_dual_triton(d, recipe, scale_col_major)
+        return quantize_dual_triton(d, recipe, scale_col_major, pad_to=pad_to)
     return (*quantize_act(d, recipe, use_triton=False, scale_col_major=scale_col_major),
-            *quantize_transposed(d, recipe, False, use_triton=False))
+            *quantize_transposed(d, recipe, False, use_triton=False, pad_to=pad_to))
 
 
 def swiglu_backward_dual(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
-                         use_triton: bool | None = None):
-    """``quantize_dual(swiglu_backward(y, da))``: fc1's FP8 dgrad and wgrad operands straight from fc2's
-    activation gradient; on CUDA (F a multiple of the group size) one Triton pass that never writes the
+                         use_triton: bool | None = None, pad_to: int = 0):
+    """``quantize_dual(swiglu_backward(y, da), pad_to=pad_to)``: fc1's FP8 dgrad and wgrad operands straight from
+    fc2's activation gradient; on CUDA (F a multiple of the group size) one Triton pass that never writes the
     BF16 gradient of fc1's output (same bytes and scales)."""
     if use_triton is None:
         use_triton = y.is_cuda and (y.shape[-1] // 2) % recipe.group_size == 0
     if use_triton:
         from megatron_jetrl.precision.triton_quant import swiglu_backward_dual_triton
 
-        return swiglu_backward_dual_triton(y, da, recipe, scale_col_major)
-    return quantize_dual(swiglu_backward(y, da), recipe, scale_col_major)
+        return swiglu_backward_dual_triton(y, da, recipe, scale_col_major, pad_to=pad_to)
+    return quantize_dual(swiglu_backward(y, da), recipe, scale_col_major, pad_to=pad_to)
 
 
 def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
@@ -189,21 +190,33 @@ def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None 
 
 
 def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
-                        x_scale: torch.Tensor | None = None, use_triton: bool | None = None
+                        x_scale: torch.Tensor | None = None, use_triton: bool | None = None, pad_to: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x^T`` quantized in groups of G along x's rows, for the wgrad GEMM: 1xG groups
     (``tile_scale=False``, scales [C, R/G]) or GxG blocks (scales [C/G, R/G]). With ``x_scale``,
-    ``x`` is FP8 in 1xG groups along its columns and is dequantized first (the saved activation)."""
+    ``x`` is FP8 in 1xG groups along its columns and is dequantized first (the saved activation).
+    ``pad_to`` (a multiple of G; 0 = none): R padded to a multiple of it with zero bytes of scale 1, the
+    contraction length cuBLAS's block-scaled GEMMs take as is (on CUDA written in place by the kernel)."""
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
         from megatron_jetrl.precision.triton_quant import quantize_transposed_triton
 
-        return quantize_transposed_triton(x, recipe, tile_scale, x_scale)
+        return quantize_transposed_triton(x, recipe, tile_scale, x_scale, pad_to=pad_to)
     if x_scale is not None:
         x = dequantize_blocks(x, x_scale, 1, recipe.group_size)
     g = recipe.group_size
-    return quantize_blocks(x.t(), g if tile_scale else 1, g, recipe)
+    q, s = quantize_blocks(x.t(), g if tile_scale else 1, g, recipe)
+    if pad_to and q.shape[1] % pad_to:
+        if pad_to % g:
+            raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {g}")
+        rp = -(-q.shape[1] // pad_to) * pad_to
+        qp = torch.zeros((q.shape[0], rp), dtype=torch.uint8, device=q.device)
+        qp[:, : q.shape[1]] = q.view(torch.uint8)
+        sp = torch.ones((s.shape[0], rp // g), dtype=s.dtype, device=s.device)
+        sp[:, : s.shape[1]] = s
+        q, s = qp.view(q.dtype), sp
+    return q, s
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,

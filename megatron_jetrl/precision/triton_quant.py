@@ -177,16 +177,32 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         tl.store(s_ptr + cols * stride_sc + pid_r, scale_inv, mask=cols < C)
 
 
+def _transposed_outputs(C: int, R: int, scale_rows: int, recipe: FP8Recipe, device, pad_to: int = 0):
+    """Empty x^T FP8 [C, Rp] and scales [scale_rows, Rp/G] for a quantizer along R, with Rp = R rounded up to
+    ``pad_to`` (0: R): the kernels write [:, :R] and the first ceil(R/G) scale columns (row strides Rp and
+    Rp/G); the padding is zero bytes with scale 1 (the wgrad GEMM adds nothing from it)."""
+    G = recipe.group_size
+    if pad_to and pad_to % G:
+        raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {G}")
+    Rp = -(-R // pad_to) * pad_to if pad_to else R
+    q = torch.empty((C, Rp), dtype=recipe.dtype, device=device)
+    s = torch.empty((scale_rows, triton.cdiv(Rp, G)), dtype=torch.float32, device=device)
+    if Rp > R:
+        q.view(torch.uint8)[:, R:].zero_()
+        s[:, triton.cdiv(R, G):].fill_(1.0)
+    return q, s
+
+
 def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
-                               x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               x_scale: torch.Tensor | None = None, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] (or fp8 x with ``x_scale`` [R, ceil(C/G)]) -> x^T [C, R] quantized in groups of G
-    along R: scales [C, ceil(R/G)] (1xG) or [ceil(C/G), ceil(R/G)] (GxG, ``tile_scale``)."""
+    along R: scales [C, ceil(R/G)] (1xG) or [ceil(C/G), ceil(R/G)] (GxG, ``tile_scale``). ``pad_to``: R
+    padded to a multiple of it in the outputs' own buffers (:func:`_transposed_outputs`)."""
     x = x.contiguous()
     R, C = x.shape
     G = recipe.group_size
     rb, cb = triton.cdiv(R, G), triton.cdiv(C, G)
-    q = torch.empty((C, R), dtype=recipe.dtype, device=x.device)
-    s = torch.empty((cb, rb) if tile_scale else (C, rb), dtype=torch.float32, device=x.device)
+    q, s = _transposed_outputs(C, R, cb if tile_scale else C, recipe, x.device, pad_to)
     if R and C:
         xs = x_scale.contiguous() if x_scale is not None else s
         _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
@@ -455,11 +471,10 @@ def dual_quant_plan(swiglu_bwd: bool) -> tuple[int, int]:
     return (128, 8) if swiglu_bwd else (128, 4)
 
 
-def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None):
+def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None, pad_to=0):
     G = recipe.group_size
     qr, sr, _ = _act_outputs(M, N, recipe, x.device, scale_col_major)
-    qt = torch.empty((N, M), dtype=recipe.dtype, device=x.device)
-    st = torch.empty((N, triton.cdiv(M, G)), dtype=torch.float32, device=x.device)
+    qt, st = _transposed_outputs(N, M, N, recipe, x.device, pad_to)
     if M and N:
         rb, warps = plan or dual_quant_plan(swiglu_bwd)
         _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
@@ -470,17 +485,18 @@ def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swigl
     return qr, sr, qt, st
 
 
-def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, plan=None):
+def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, plan=None,
+                         pad_to: int = 0):
     """A gradient ``d`` [M, N] -> (q [M, N], scale_inv [M, ceil(N/G)], qt [N, M], scale_inv_t [N, ceil(M/G)]):
-    ``quantize_act_triton(d)`` and ``quantize_transposed_triton(d, tile_scale=False)`` (the same bytes and
-    scales) in one pass over ``d``."""
+    ``quantize_act_triton(d)`` and ``quantize_transposed_triton(d, tile_scale=False, pad_to=pad_to)`` (the same
+    bytes and scales) in one pass over ``d``."""
     d = d if d.stride(-1) == 1 else d.contiguous()
     M, N = d.shape
-    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False, plan=plan)
+    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False, plan=plan, pad_to=pad_to)
 
 
 def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
-                                plan=None):
+                                plan=None, pad_to: int = 0):
     """``quantize_dual_triton(swiglu_backward_triton(y, da))`` without writing the gradient: fc1's output
     ``y`` [M, 2F] and ``da`` [M, F] -> fc1's dgrad and wgrad operands (the same bytes and scales).
     Needs F to be a multiple of the group size (the two halves do not share a group)."""
@@ -491,7 +507,7 @@ def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Re
     if F % recipe.group_size or da.shape != (M, F):
         raise ValueError(f"swiglu_backward_dual_triton: y [M, 2F] with F a multiple of {recipe.group_size} and "
                          f"da [M, F] expected, got {tuple(y.shape)} and {tuple(da.shape)}")
-    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True, plan=plan)
+    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True, plan=plan, pad_to=pad_to)
 
 
 @triton.jit

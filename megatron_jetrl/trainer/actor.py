@@ -130,12 +130,7 @@ def train_seq_len(s: int, micro_batch: int, pad_tokens_to: int, fp8_gpu: bool, m
     ``algo.pad_tokens_to`` (see its doc; ``fp8_gpu``: the training linears run FP8 GEMMs on a GPU)."""
     if pad_tokens_to >= 0:
         return padded_length(s, micro_batch, pad_tokens_to, max_len)
-    if not fp8_gpu:
-        return s
-    p = padded_length(s, micro_batch, 512)
-    if 16 * (p - s) <= s and (max_len is None or p <= max_len):
-        return p
-    return padded_length(s, micro_batch, 16, max_len)
+    return padded_length(s, micro_batch, 16, max_len) if fp8_gpu else s
 
 
 def _microbatch(b: RLBatch, seq_len: Optional[int] = None) -> dict:
