@@ -52,6 +52,9 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     out["requant_handover_share"] = (out["requant"] + out["weight_sync"]) / out["step"]
     out["mismatch_abs_mean"] = statistics.mean(r["mismatch_abs_mean"] for r in rows)
     out["train_seq_len"] = statistics.median(r.get("train_seq_len", 0.0) for r in rows)  # padded (algo.pad_tokens_to)
+    # the train phase's parts: forward/backward over the micro-batches, optimizer step (re-quantization apart)
+    out["train_fwd_bwd"] = statistics.median(r["time_fwd_bwd"] for r in rows)
+    out["train_optimizer"] = statistics.median(r["time_optimizer"] for r in rows)
     out["tokens_per_s_rollout"] = float(statistics.median(float(r["tokens_per_s"]) for r in rows))
     out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     del run
@@ -112,6 +115,11 @@ def main(argv=None) -> list[dict]:
                  for r in rows]
         cols += ["step speedup vs bf16", "rollout speedup", "train-phase speedup"]
     print_table(shown, cols)
+    # the train phase by part, and each part's ratio to bf16's (where the FP8 training gain is, or is not)
+    parts = ["logprob", "train_fwd_bwd", "train_optimizer", "requant"]
+    print_table([{**{p: r[p] for p in ["mode", *parts]}, **({f"{p} vs bf16": f"{base[p] / r[p]:.3f}" if r[p] else "-"
+                                                             for p in parts[:3]} if base else {})} for r in rows],
+                ["mode", *parts] + ([f"{p} vs bf16" for p in parts[:3]] if base else []))
     if args.plot:
         print(f"plot: {plot(rows, args.plot, f'{dev}, preset {args.preset}')}")
     dump_json(args.json, rows)
