@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from megatron_jetrl.models.hf_mapping import qkv_permutation
+from megatron_jetrl.precision import gemm
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_dual, quantize_transposed,
                                             quantize_weight)
@@ -306,8 +307,6 @@ class SwigluGradLink:
 def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None):
     """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring); ``pre``: dy's
     four FP8 operands (``quantize_dual``'s), computed by the op that produced dy."""
-    from megatron_jetrl.precision import gemm
-
     recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
     N = dy.shape[-1]
     dy2 = dy.reshape(-1, N)
@@ -383,8 +382,6 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
         if ctx.link is not None:  # fc1's dgrad/wgrad operands in one pass; autograd gets a zero placeholder
-            from megatron_jetrl.precision import gemm
-
             y2 = y.reshape(-1, y.shape[-1])
             ctx.link.operands = swiglu_backward_dual(
                 y2, da.reshape(-1, da.shape[-1]), ctx.recipe, scale_col_major=ctx.backend == "scaled_mm",

@@ -207,15 +207,29 @@ def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
         x = dequantize_blocks(x, x_scale, 1, recipe.group_size)
     g = recipe.group_size
     q, s = quantize_blocks(x.t(), g if tile_scale else 1, g, recipe)
-    if pad_to and q.shape[1] % pad_to:
-        if pad_to % g:
-            raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {g}")
-        rp = -(-q.shape[1] // pad_to) * pad_to
-        qp = torch.zeros((q.shape[0], rp), dtype=torch.uint8, device=q.device)
-        qp[:, : q.shape[1]] = q.view(torch.uint8)
-        sp = torch.ones((s.shape[0], rp // g), dtype=s.dtype, device=s.device)
-        sp[:, : s.shape[1]] = s
-        q, s = qp.view(q.dtype), sp
+    if not pad_to or (q.shape[1] % pad_to == 0 and pad_to % g == 0):  # nothing to pad
+        return q, s
+    qp, sp = transposed_outputs(q.shape[0], q.shape[1], s.shape[0], recipe, q.device, pad_to)
+    qp[:, : q.shape[1]] = q
+    sp[:, : s.shape[1]] = s
+    return qp, sp
+
+
+def transposed_outputs(C: int, R: int, scale_rows: int, recipe: FP8Recipe, device, pad_to: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty x^T FP8 [C, Rp] and scales [scale_rows, Rp/G] for a quantizer along R (``quantize_transposed``'s
+    outputs), with Rp = R rounded up to ``pad_to`` (a multiple of G; 0: R). The quantizer writes [:, :R] and the
+    first ceil(R/G) scale columns (row strides Rp and Rp/G); the padding is zero bytes with scale 1 (the wgrad
+    GEMM adds nothing from it)."""
+    G = recipe.group_size
+    if pad_to and pad_to % G:
+        raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {G}")
+    Rp = -(-R // pad_to) * pad_to if pad_to else R
+    q = torch.empty((C, Rp), dtype=recipe.dtype, device=device)
+    s = torch.empty((scale_rows, -(-Rp // G)), dtype=torch.float32, device=device)
+    if Rp > R:
+        q.view(torch.uint8)[:, R:].zero_()
+        s[:, -(-R // G):].fill_(1.0)
     return q, s
 
 

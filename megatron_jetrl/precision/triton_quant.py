@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
+from megatron_jetrl.precision.quant import transposed_outputs
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 
@@ -177,32 +178,16 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         tl.store(s_ptr + cols * stride_sc + pid_r, scale_inv, mask=cols < C)
 
 
-def _transposed_outputs(C: int, R: int, scale_rows: int, recipe: FP8Recipe, device, pad_to: int = 0):
-    """Empty x^T FP8 [C, Rp] and scales [scale_rows, Rp/G] for a quantizer along R, with Rp = R rounded up to
-    ``pad_to`` (0: R): the kernels write [:, :R] and the first ceil(R/G) scale columns (row strides Rp and
-    Rp/G); the padding is zero bytes with scale 1 (the wgrad GEMM adds nothing from it)."""
-    G = recipe.group_size
-    if pad_to and pad_to % G:
-        raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {G}")
-    Rp = -(-R // pad_to) * pad_to if pad_to else R
-    q = torch.empty((C, Rp), dtype=recipe.dtype, device=device)
-    s = torch.empty((scale_rows, triton.cdiv(Rp, G)), dtype=torch.float32, device=device)
-    if Rp > R:
-        q.view(torch.uint8)[:, R:].zero_()
-        s[:, triton.cdiv(R, G):].fill_(1.0)
-    return q, s
-
-
 def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
                                x_scale: torch.Tensor | None = None, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] (or fp8 x with ``x_scale`` [R, ceil(C/G)]) -> x^T [C, R] quantized in groups of G
     along R: scales [C, ceil(R/G)] (1xG) or [ceil(C/G), ceil(R/G)] (GxG, ``tile_scale``). ``pad_to``: R
-    padded to a multiple of it in the outputs' own buffers (:func:`_transposed_outputs`)."""
+    padded to a multiple of it in the outputs' own buffers (:func:`quant.transposed_outputs`)."""
     x = x.contiguous()
     R, C = x.shape
     G = recipe.group_size
     rb, cb = triton.cdiv(R, G), triton.cdiv(C, G)
-    q, s = _transposed_outputs(C, R, cb if tile_scale else C, recipe, x.device, pad_to)
+    q, s = transposed_outputs(C, R, cb if tile_scale else C, recipe, x.device, pad_to)
     if R and C:
         xs = x_scale.contiguous() if x_scale is not None else s
         _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
@@ -474,7 +459,7 @@ def dual_quant_plan(swiglu_bwd: bool) -> tuple[int, int]:
 def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None, pad_to=0):
     G = recipe.group_size
     qr, sr, _ = _act_outputs(M, N, recipe, x.device, scale_col_major)
-    qt, st = _transposed_outputs(N, M, N, recipe, x.device, pad_to)
+    qt, st = transposed_outputs(N, M, N, recipe, x.device, pad_to)
     if M and N:
         rb, warps = plan or dual_quant_plan(swiglu_bwd)
         _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
