@@ -438,6 +438,8 @@ class Actor:
         seq_len = self.seq_len(batch)
         run_microbatches(self.model, [_microbatch(b, seq_len) for b in mbs], loss_func, forward_only=False)
         drop_dgrad_weights(self.module)
+        if torch.cuda.is_available():  # the optimizer waits for the backward anyway (its non-finite check):
+            torch.cuda.synchronize()  # waiting here puts the backward's GPU time in fwd_bwd, not in the optimizer's
         fwd_bwd = time.perf_counter() - t0
         out = self._optimizer_step()
         out["time_fwd_bwd"] = fwd_bwd
