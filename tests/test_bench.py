@@ -20,6 +20,7 @@ def test_bench_step_harness(tmp_path):
         assert 0 <= r["requant_handover_share"] < 1
         assert r["train_seq_len"] > 0 and 16 * r["train_seq_len"] % 64 == 0  # 16 sequences per micro-batch
         assert 0 < r["train_fwd_bwd"] + r["train_optimizer"] <= r["train"]
+        assert r["reward_std"] > 0.1  # the hash reward: non-zero advantages, a backward on real gradients
     assert rows[0]["requant"] == 0 and rows[2]["requant"] > 0  # bf16 quantizes nothing
     assert "step speedup vs bf16" in out.stdout and "train_fwd_bwd vs bf16" in out.stdout and os.path.getsize(tmp_path / "phases.png") > 10_000
 

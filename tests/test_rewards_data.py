@@ -42,6 +42,23 @@ def test_registry():
     assert get_reward("length_test")("abc", "", {}) == 3.0
 
 
+def test_hash_reward_spreads_every_group():
+    """The benchmark reward: deterministic per text, in [0, 1), and different across a group of responses
+    (so GRPO's advantages are non-zero: the point of it on random weights, where ``math`` gives all zeros)."""
+    import torch
+
+    from megatron_jetrl.trainer.loss import grpo_advantages
+
+    fn = get_reward("hash")
+    texts = ["", "a", "b", "12", "1 2", "\\boxed{3}", "3", "33"]
+    vals = [fn(t, "3", {}) for t in texts]
+    assert vals == [fn(t, "7", {}) for t in texts]  # the text alone decides
+    assert all(0.0 <= v < 1.0 for v in vals) and len(set(vals)) == len(vals)
+    adv = grpo_advantages(torch.tensor(vals), len(vals))
+    assert bool((adv != 0).all())
+    assert get_reward("math")("abc", "3", {}) == 0.0  # what a random-weight model's text scores otherwise
+
+
 def test_jsonl_and_parquet_prompts(tmp_path):
     rows = [{"question": "1+1?", "solution": "2", "level": 1}, {"question": "2+2?", "solution": "4", "level": 2}]
     p = tmp_path / "d.jsonl"

@@ -30,7 +30,10 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
 
     # the hand-over is timed without the optional hash-parity verification (sha256 of every FP8
     # tensor on the host, both sides: seconds on an 8B model); pass logging.parity_interval=N to include it
-    cfg = load_config(preset_path, ["logging.parity_interval=0", *overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
+    # the reward is a hash of the response unless given: on random weights the verifiable reward is 0 for
+    # every response, GRPO's advantages then are 0 and the training step would run its backward on zero
+    # gradients (rewards/math.py: hash_reward)
+    cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
                                     f"steps={steps + warmup}", "logging.tensorboard=false",
                                     f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])
     run = setup(cfg)
@@ -55,6 +58,8 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     # the train phase's parts: forward/backward over the micro-batches, optimizer step (re-quantization apart)
     out["train_fwd_bwd"] = statistics.median(r["time_fwd_bwd"] for r in rows)
     out["train_optimizer"] = statistics.median(r["time_optimizer"] for r in rows)
+    # the spread of the rewards within a step (0 would mean zero advantages: a backward on zero gradients)
+    out["reward_std"] = statistics.median(float(r["reward_std"]) for r in rows)
     out["tokens_per_s_rollout"] = float(statistics.median(float(r["tokens_per_s"]) for r in rows))
     out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     del run
@@ -106,7 +111,7 @@ def main(argv=None) -> list[dict]:
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
-    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "tokens_per_s_rollout", "train_seq_len", "peak_GiB"]
+    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "reward_std", "tokens_per_s_rollout", "train_seq_len", "peak_GiB"]
     shown = rows
     if base:  # the ratios are printed, not stored in the rows
         shown = [{**r, "step speedup vs bf16": f"{base['step'] / r['step']:.3f}",

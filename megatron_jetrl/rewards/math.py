@@ -67,3 +67,16 @@ def math_reward(response: str, answer: str, metadata: dict) -> float:
 def exact_reward(response: str, answer: str, metadata: dict) -> float:
     """1.0 when the whole response (stripped) equals the reference."""
     return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+@register_reward("hash")
+def hash_reward(response: str, answer: str, metadata: dict) -> float:
+    """A pseudo-random reward in [0, 1): the response's SHA-256 read as a fraction (the same text always
+    scores the same). For speed benchmarks on random weights (``jetrl bench step``): there a verifiable
+    reward is 0 for every response, so GRPO's advantages, and with them every gradient of the training
+    step, would be zero, and the backward's GEMMs would run on zeros (faster than on real gradients: less
+    power, higher clocks). With this reward every group has a spread, as a batch that carries signal."""
+    import hashlib
+
+    digest = hashlib.sha256(response.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
