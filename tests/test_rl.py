@@ -186,6 +186,76 @@ def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_multi_tensor_fallbacks_as_foreach_kernels(tmp_path, megatron_single, monkeypatch):
+    """Without TE/APEX megatron-core's gradient norm reads every tensor's norm back to the host and its
+    clipping goes through a temporary per gradient; the trainer installs torch's foreach kernels in those
+    slots: the same norm (to float rounding) without a host read, bit-identical scaling and copies, and the
+    same gradient norms and parameters over clipped bf16 steps as with megatron's fallbacks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+    from megatron_jetrl.train import close, sft_step
+    from megatron_jetrl.trainer import multi_tensor as mt
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g) for s in [(7,), (3, 5), (64, 33)]]
+    with Ops() as theirs:
+        ref, _ = mutils.local_multi_tensor_l2_norm(0, None, [ts], False)
+    with Ops() as ours:
+        got, _ = mt.l2_norm(0, None, [ts, []], False)
+    assert any("_local_scalar_dense" in n for n in theirs.names)  # megatron's fallback reads to the host
+    assert not any("_local_scalar_dense" in n for n in ours.names), ours.names
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    for factor in (1.0, 0.3):
+        low = [torch.empty_like(t, dtype=torch.bfloat16) for t in ts]
+        low_ref = [torch.empty_like(t) for t in low]
+        mt.scale(0, None, [ts, low], factor)
+        mutils.local_multi_tensor_scale(0, None, [ts, low_ref], factor)
+        assert all(torch.equal(a, b) for a, b in zip(low, low_ref))
+        inplace, inplace_ref = [t.clone() for t in ts], [t.clone() for t in ts]
+        mt.scale(0, None, [inplace, inplace], factor)
+        mutils.local_multi_tensor_scale(0, None, [inplace_ref, inplace_ref], factor)
+        assert all(torch.equal(a, b) for a, b in zip(inplace, inplace_ref))
+
+    def fallbacks():
+        monkeypatch.setattr(clip_grads, "l2_norm_impl", mutils.local_multi_tensor_l2_norm)
+        monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+        monkeypatch.setattr(mopt, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+
+    fallbacks()
+    assert mt.install() == 3 and mt.install() == 0 and clip_grads.l2_norm_impl is mt.l2_norm
+    # a real run (bf16 parameters; bf16 mode: jet releases its BF16 linear weights between steps) with a clip
+    # that bites (grad_clip 1e-3)
+    params, grad_norms = {}, {}
+    real_install = mt.install
+    for name in ("foreach", "megatron"):
+        fallbacks()
+        monkeypatch.setattr(mt, "install", real_install if name == "foreach" else (lambda: 0))
+        run = _tiny_run(tmp_path / name, "steps=1", "algo.sft_warmup_steps=2", "precision.params_dtype=bf16",
+                        "precision.mode=bf16", "algo.grad_clip=0.001")
+        try:
+            assert (clip_grads.l2_norm_impl is mt.l2_norm) is (name == "foreach")
+            grad_norms[name] = [sft_step(run)["grad_norm"] for _ in range(3)]
+            assert min(grad_norms[name]) > 0.001  # the clip scaled the gradients
+            params[name] = [p.detach().clone() for p in run.actor.module.parameters()]
+        finally:
+            close(run)
+    assert grad_norms["foreach"] == pytest.approx(grad_norms["megatron"], rel=1e-5)
+    for a, b in zip(params["foreach"], params["megatron"]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
+
+
 def test_setup_freezes_the_python_heap_and_close_undoes_it(tmp_path, megatron_single):
     """``gc_freeze`` (default on): after setup every live object sits in the permanent generation, so the
     periodic full collections no longer re-scan torch / megatron-core / the model; a step still runs, and

@@ -238,6 +238,9 @@ class Actor:
                                   clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,
                                   params_dtype=params_dtype, use_distributed_optimizer=use_dist_opt)
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        from megatron_jetrl.trainer import multi_tensor
+
+        multi_tensor.install()  # megatron's no-TE/APEX gradient norm and param copy as foreach kernels
         self.fused_adam = algo.fused_adam and _fuse_torch_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr, min_lr=algo.lr,
