@@ -385,7 +385,9 @@ class DataConfig:
     answer_key: str = "answer"
     """Column holding the reference answer."""
     reward: str = "math"
-    """Reward function name in the reward registry."""
+    """Reward function name in the reward registry: ``math`` (numeric answer match), ``exact`` (whole
+    response), ``hash`` (pseudo-random in [0, 1), for speed benchmarks on random weights), or one registered
+    with ``megatron_jetrl.rewards.register_reward``."""
     synthetic_size: int = 2000
     """Prompts generated for the built-in synthetic task (when ``path`` is None)."""
 
