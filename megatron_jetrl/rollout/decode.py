@@ -97,11 +97,11 @@ class StaticDecoder:
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
         # (CUDA, the one-kernel RMSNorm of models/norm.py)
         self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
-        # ... and the next FP8 linear's activation quantization in that kernel too (JETRL_NORM_QUANT=1):
-        # off by default, because on the H200 the quantizing variant took 9.6 us per call vs 2.3 us
-        # without (8B, batch 64, session 4), more than the separate quantizer it saves
-        # (docs/benchmarks.md); same bytes either way (tests)
-        self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "0") == "1"
+        # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
+        # fewer per 32-layer step; same bytes, tests): on by default since session 13, when jet's decode
+        # step at batch 64 ran 5.22 ms with it against 5.29-5.30 ms without (H200, docs/benchmarks.md;
+        # session 4's variant was slower, 9.6 us per call vs 2.3 us). JETRL_NORM_QUANT=0 turns it off
+        self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "1") != "0"
         # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
         # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
         # (same bytes; JETRL_DEFER_SPLIT_SUM=0 turns it off)
