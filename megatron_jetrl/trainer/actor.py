@@ -240,7 +240,7 @@ class Actor:
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         from megatron_jetrl.trainer import multi_tensor
 
-        multi_tensor.install()  # megatron's no-TE/APEX gradient norm and param copy as foreach kernels
+        multi_tensor.install()  # megatron's no-TE/APEX gradient norm and clipping as foreach kernels
         self.fused_adam = algo.fused_adam and _fuse_torch_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr, min_lr=algo.lr,

@@ -13,7 +13,7 @@ installed it falls back to two functions of ``megatron.core.utils``:
 
 :func:`install` puts torch's multi-tensor (foreach) kernels in those two slots: ``torch._foreach_norm``
 and one norm over the stacked norms on the device (no synchronization; megatron's clip reads the total
-once, as with TE), and ``torch._foreach_mul_`` / ``_foreach_copy_`` (no temporaries in place). Same math:
+once, as with TE), and ``torch._foreach_mul_`` / ``_foreach_copy_`` (the clip scales in place, no temporary). Same math:
 the norm may differ from megatron's fallback in the last bits (another reduction order); the scaling and
 copies are bit-identical. Only megatron's own fallbacks are replaced; TE's or APEX's kernels are left alone.
 """
