@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from megatron_jetrl.precision.gemm import _col_major
+from megatron_jetrl.precision.gemm import _col_major, contraction_multiple
 
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68
@@ -186,7 +186,7 @@ def shapes_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     contiguous row-major FP8 operands and a contiguous fp32/bf16 output on one CUDA device."""
     M, Kc = a.shape
     N = b.shape[0]
-    return (a.is_cuda and Kc % 512 == 0 and M % 16 == 0 and N % 16 == 0 and b.shape[1] == Kc
+    return (a.is_cuda and Kc % contraction_multiple() == 0 and M % 16 == 0 and N % 16 == 0 and b.shape[1] == Kc
             and a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and out.shape == (M, N)
             and out.dtype in (torch.float32, torch.bfloat16) and a.device == b.device == out.device)
 

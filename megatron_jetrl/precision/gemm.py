@@ -83,13 +83,21 @@ def _k_major(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
+def contraction_multiple(group: int = 128) -> int:
+    """The contraction length cuBLAS's block-scaled GEMMs take as is: whole groups, a group count that is a
+    multiple of 4 (seen on the H200, torch 2.11: scale shapes are checked as [round_up(Kc/G, 4), ...]). The one
+    statement of the rule for :func:`_scaled_mm`'s padding, :func:`wgrad_token_pad` and the cuBLASLt
+    accumulation's ``shapes_ok``."""
+    return 4 * group
+
+
 def wgrad_token_pad(tokens: int, backend: str, group: int = 128) -> int:
     """The multiple the weight-gradient operands' token (contraction) dimension is padded to, in the
     quantizers' own buffers (``quant.quantize_transposed(..., pad_to=)``): ``4 * group`` on ``scaled_mm`` when
     ``tokens`` is not one already (cuBLAS's block-scaled kernels take whole multiples of 4 groups: otherwise
     :func:`_scaled_mm` pads copies of both operands and the cuBLASLt accumulation into ``main_grad`` refuses
     them), else 0 (nothing to pad; the emulated backend takes any length)."""
-    kq = 4 * group
+    kq = contraction_multiple(group)
     return kq if backend == "scaled_mm" and tokens % kq else 0
 
 
@@ -106,11 +114,10 @@ def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
 
     M, Kc = a.shape
     N = b.shape[0]
-    # cuBLAS (seen on the H200, torch 2.11): whole K groups, a K-block count that is a multiple
-    # of 4 (scale shapes are checked as [round_up(Kc/128, 4), N/128]), M and N multiples of 16
-    # (M=1 and M=77 fail with CUBLAS_STATUS_NOT_SUPPORTED). Zero-pad otherwise: zero elements
-    # add nothing; padded groups get scale 1.
-    kq = 4 * group
+    # cuBLAS (seen on the H200, torch 2.11): Kc a multiple of contraction_multiple(group), M and N
+    # multiples of 16 (M=1 and M=77 fail with CUBLAS_STATUS_NOT_SUPPORTED). Zero-pad otherwise: zero
+    # elements add nothing; padded groups get scale 1.
+    kq = contraction_multiple(group)
     if Kc % kq or N % 16 or M % 16:
         Kp, Np, Mp = -(-Kc // kq) * kq, -(-N // 16) * 16, -(-M // 16) * 16
         a = _pad_to(a.view(torch.uint8), Mp, Kp).view(a.dtype)
