@@ -128,9 +128,8 @@ def padded_length(s: int, micro_batch: int, multiple: int, max_len: Optional[int
 def train_seq_len(s: int, micro_batch: int, pad_tokens_to: int, fp8_gpu: bool, max_len: Optional[int]) -> int:
     """The model's input length for micro-batches of ``micro_batch`` sequences of ``s`` positions under
     ``algo.pad_tokens_to`` (see its doc; ``fp8_gpu``: the training linears run FP8 GEMMs on a GPU)."""
-    if pad_tokens_to >= 0:
-        return padded_length(s, micro_batch, pad_tokens_to, max_len)
-    return padded_length(s, micro_batch, 16, max_len) if fp8_gpu else s
+    multiple = pad_tokens_to if pad_tokens_to >= 0 else (16 if fp8_gpu else 0)
+    return padded_length(s, micro_batch, multiple, max_len)
 
 
 def _microbatch(b: RLBatch, seq_len: Optional[int] = None) -> dict:
