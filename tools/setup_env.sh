@@ -4,29 +4,57 @@
 # torch is pinned to the 2.13.0 CPU build (an unpinned torch pulls a multi-GB CUDA build);
 # megatron-core 0.19.2 declares Python >= 3.12 but builds and runs on 3.11: numpy first, then
 # --no-deps --ignore-requires-python; it also needs triton and psutil (undeclared).
+# A failed install stops the setup with one line naming the package (pip's own output above it);
+# the environment takes about 3.1 GB, so the free space is checked before anything is installed.
 set -euo pipefail
 VENV=${1:-.venv}
+NEED_MB=${JETRL_SETUP_NEED_MB:-4000}
 cd "$(dirname "$0")/.."
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+
+die() { echo "setup_env: $*" >&2; exit 1; }
+
+# pip install with its warnings filtered out; a failure prints pip's last lines and stops here
+# (a swallowed failure used to surface later as "No module named 'torch'").
+pip_install() {
+  local log rc=0
+  log=$(mktemp)
+  pip install -q "$@" >"$log" 2>&1 || rc=$?
+  grep -v -i warning "$log" | { if [ "$rc" -ne 0 ]; then tail -n 25; else cat; fi; } >&2 || true
+  rm -f "$log"
+  [ "$rc" -eq 0 ] || die "'pip install $*' failed (exit $rc, pip's output above); fix that and rerun tools/setup_env.sh"
+}
+
+# Enough free space where the venv goes and where pip builds (TMPDIR)?
+check_space() {
+  local dir avail
+  for dir in "$(dirname "$(realpath -m "$VENV")")" "${TMPDIR:-/tmp}"; do
+    avail=$(df -Pm "$dir" 2>/dev/null | awk 'NR == 2 {print $4}') || continue
+    [ -n "$avail" ] || continue
+    [ "$avail" -ge "$NEED_MB" ] || die "only ${avail} MB free on the file system of ${dir}; the environment needs about ${NEED_MB} MB: free space there (or point TMPDIR / VENV_DIR elsewhere) and rerun"
+  done
+}
+
+[ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, megatron.core, megatron_jetrl" 2>/dev/null || check_space
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
 . "$VENV/bin/activate"
-pip install -q --upgrade pip 2>&1 | grep -v -i warning || true
-pip install -q "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil triton 2>&1 | grep -v -i warning || true
+pip_install --upgrade pip
+pip_install "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil triton
 python -c "import megatron.core" 2>/dev/null || \
-  pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" 2>&1 | grep -v -i warning || true
-pip install -q -e ".[test]" 2>&1 | grep -v -i warning || true
+  pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+pip_install -e ".[test]"
 # SGLang's pure-Python parts (weight-sync bucket class, request types) for the CPU tests: no deps,
 # so its CUDA kernels and its torch pin stay out of this environment.
 python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" 2>/dev/null || \
-  pip install -q --no-deps "sglang==0.5.23" 2>&1 | grep -v -i warning || true
+  pip_install --no-deps "sglang==0.5.23"
 # What sglang.srt.server_args needs to import (the launch-argument test parses our arguments with
 # SGLang's own ServerArgs); all pure Python or small wheels, none of them pulls torch.
-pip install -q orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow ipython 2>&1 | grep -v -i warning || true
+pip_install orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow ipython
 # sglang-router (a Rust binary in a 30 MB wheel): the fleet test runs the real router in front of
 # two `jetrl serve` workers.
-pip install -q "sglang-router==0.3.2" 2>&1 | grep -v -i warning || true
+pip_install "sglang-router==0.3.2"
 # nvidia-modelopt's block-FP8 quantizer, compared with ours in tests/test_precision.py: no deps
 # (it would pull a CUDA torch), plus the three its quantization package imports.
 python -c "import modelopt" 2>/dev/null || \
-  pip install -q --no-deps "nvidia-modelopt==0.47.0" 2>&1 | grep -v -i warning || true
-pip install -q omegaconf pulp scipy 2>&1 | grep -v -i warning || true
+  pip_install --no-deps "nvidia-modelopt==0.47.0"
+pip_install omegaconf pulp scipy
 python -c "import torch, megatron.core, megatron_jetrl; print('env ok: torch', torch.__version__)"
