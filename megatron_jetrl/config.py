@@ -293,6 +293,10 @@ class RolloutConfig:
     """Static decoding on CUDA: capture each decode step in a CUDA graph (dense models)."""
     decode_bucket: int = 256
     """Static decoding: attention reads the KV cache up to the next multiple of this (one graph each)."""
+    decode_attention: Literal["sdpa", "triton"] = "sdpa"
+    """Static decoding on CUDA, a decode step's attention: ``sdpa`` (torch SDPA over the bucket with a
+    mask) or ``triton`` (``rollout/triton_attn.py``: reads keys up to the step's position only, one CUDA
+    graph for every length; not yet measured against SDPA on the H200). Prefill always runs SDPA."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU)."""

@@ -427,6 +427,67 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_decode_attention_kernel_under_the_interpreter(tmp_path):
+    """The exact-length decode attention (``rollout/triton_attn.py``, CUDA in production) under Triton's
+    CPU interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's): the output equals SDPA with
+    the decoder's additive mask over keys 0..pos (left-pad keys masked; keys past pos ignored whatever
+    ``key_ok`` says there), for grouped-query and one-head-per-group layouts, a head dim that is not a
+    power of two, q as a strided view of a fused QKV output, one split and several (the merge kernel;
+    splits left empty at short lengths), and pos = 0. Then the static decoder on it (llama, GQA, jet):
+    the same tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order),
+    one graph key for every length, and the kernel actually called at every decode step."""
+    make_hf_model("llama", str(tmp_path), seed=7)
+    code = r'''
+import sys
+import torch, torch.nn.functional as F
+from megatron_jetrl.rollout import triton_attn
+from megatron_jetrl.rollout.triton_attn import decode_attention
+g = torch.Generator().manual_seed(0)
+for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 29, 3), (2, 4, 4, 128, 300, 200, 1),
+                                   (2, 6, 2, 80, 70, 69, 4), (2, 4, 1, 32, 20, 0, 2), (2, 8, 2, 16, 600, 30, 8)):
+    fused = torch.randn(b, G, (H // G + 2) * D, generator=g)  # [q heads of the group | k | v], as megatron's QKV
+    q = fused[..., : (H // G) * D].reshape(b, H, D)
+    k, v = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+    ok = torch.ones(b, L, dtype=torch.bool)
+    ok[0, : min(5, pos)] = False  # left pad of a shorter prompt
+    ok[:, pos + 1:] = torch.rand(b, L - pos - 1, generator=g) > 0.5  # not yet written: must not be read
+    valid = ok.clone()
+    valid[:, pos + 1:] = False
+    bias = torch.zeros(b, 1, 1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
+    out = decode_attention(q, k, v, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16)
+    assert out.shape == (b, H, D) and (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, (out - ref).abs().max())
+
+from megatron_jetrl.rollout.base import SamplingParams
+from megatron_jetrl.rollout.local import LocalEngine
+from tests.workers import build_loaded
+_, model, state = build_loaded(sys.argv[1], ["precision.mode=jet"])
+calls = []
+orig = triton_attn.decode_attention
+triton_attn.decode_attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
+prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (3, 7, 5)]
+params = SamplingParams(max_new_tokens=10, temperature=1.0)
+runs = {}
+for attention in ("sdpa", "triton"):
+    engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=4, attention=attention)
+    runs[attention] = engine.generate(prompts, params)
+    dec = engine._decoder
+    assert dec.triton_attn is (attention == "triton")
+    assert (dec.bucket_len(5) == dec.bucket_len(dec.L - 1) == dec.L) is (attention == "triton")
+assert len(calls) == 9 * 2, len(calls)  # every decode step after the prefill's token, in both layers
+lp = []
+for a, b in zip(runs["sdpa"], runs["triton"]):
+    assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
+    lp += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
+assert max(lp) < 1e-4, max(lp)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monkeypatch):
     """``precision.release_bf16_weights`` (jet, BF16 parameters): after each step the FP8 linears' BF16 weights
     are placeholders (the forward and backward read only the FP8 cache) and the next step writes them anew from

@@ -3,7 +3,10 @@
 #   bash tools/setup_env.sh [VENV_DIR]     (default .venv)
 # torch is pinned to the 2.13.0 CPU build (an unpinned torch pulls a multi-GB CUDA build);
 # megatron-core 0.19.2 declares Python >= 3.12 but builds and runs on 3.11: numpy first, then
-# --no-deps --ignore-requires-python; it also needs triton and psutil (undeclared).
+# --no-deps --ignore-requires-python; it also needs triton and psutil (undeclared). triton is pinned
+# too: the CPU tests run our kernels under its interpreter, whose numerics follow its version (3.9
+# computes tl.dot as numpy's fp32 matmul; 3.6, tried, cannot index a range with a program-id tensor under
+# numpy 2.4). GPU machines keep their own CUDA triton (the H200 image: 3.6).
 # A failed install stops the setup with one line naming the package (pip's own output above it);
 # the environment takes about 3.1 GB, so the free space is checked before anything is installed.
 set -euo pipefail
@@ -38,7 +41,7 @@ check_space() {
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
 . "$VENV/bin/activate"
 pip_install --upgrade pip
-pip_install "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil triton
+pip_install "torch==2.13.0" "numpy==2.4.6" "packaging>=24.2" psutil "triton==3.9.0"
 python -c "import megatron.core" 2>/dev/null || \
   pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 pip_install -e ".[test]"

@@ -13,7 +13,9 @@ its own KV cache with static shapes:
   CUDA graph per bucket, so a step reads the cache up to the next bucket edge instead of the whole
   ``max_len``; pad and not-yet-written keys are masked by a per-row validity mask;
 - attention on ``scaled_dot_product_attention`` with one additive mask per step shared by all
-  layers, grouped-query heads reading K/V in place;
+  layers, grouped-query heads reading K/V in place; or (``attention="triton"``,
+  ``rollout.decode_attention``) decode steps on ``triton_attn.decode_attention``, which reads the
+  key count from the position tensor: keys ``0..pos`` only, no mask tensor, one graph for all lengths;
 - RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
   rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
   layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
@@ -74,7 +76,7 @@ class StaticDecoder:
 
     def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 256,
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
-                 prefill_tokens: int = 16384):
+                 prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -107,6 +109,18 @@ class StaticDecoder:
         # (same bytes; JETRL_DEFER_SPLIT_SUM=0 turns it off)
         self.defer_split_sum = (self.fuse_add_norm and self.cfg.tensor_model_parallel_size == 1
                                 and os.environ.get("JETRL_DEFER_SPLIT_SUM", "1") != "0")
+        # decode steps' attention: SDPA over the bucket with a mask, or the exact-length Triton kernel
+        # (CUDA, or Triton's CPU interpreter for the tests); prefill always runs SDPA
+        if attention not in ("sdpa", "triton"):
+            raise ValueError(f"StaticDecoder: attention={attention!r}; use 'sdpa' or 'triton'")
+        self.triton_attn = attention == "triton" and (self.device.type == "cuda"
+                                                      or os.environ.get("TRITON_INTERPRET") == "1")
+        if attention == "triton" and not self.triton_attn:
+            log.info("rollout decode: the Triton decode attention needs CUDA; using SDPA")
+        if self.triton_attn:
+            from megatron_jetrl.rollout.triton_attn import default_splits
+
+            self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
         nl, dev = len(self.layers), self.device
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -221,7 +235,7 @@ class StaticDecoder:
                    mask: torch.Tensor):
         """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (``rope``: the RoPE
         table rows and their cos/sin) -> [S, b, heads*d]."""
-        S = idx.shape[0]
+        S, b = idx.shape[0], q.shape[1]
         f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
         if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache: one kernel
@@ -233,6 +247,11 @@ class StaticDecoder:
                 q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
             kc.index_copy_(2, idx, k.permute(1, 2, 0, 3).to(kc.dtype))
             vc.index_copy_(2, idx, v.permute(1, 2, 0, 3).to(vc.dtype))
+        if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
+            from megatron_jetrl.rollout.triton_attn import decode_attention
+
+            out = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits)
+            return out.view(1, b, self.heads * self.dim)
         # SDPA's grouped-query path maps query head h to key/value group h // (heads/groups), the
         # grouping of Megatron's fused QKV; K/V are read in place (measured on the H200 at batch 64,
         # 768 keys: 52 us per layer vs 91 us for matmul + fp32 softmax, 1060 us with K/V expanded)
@@ -248,7 +267,7 @@ class StaticDecoder:
         f = self.freqs.index_select(0, idx)
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
-        mask = self._mask_bias(rows, idx, Lb, causal)
+        mask = None if self.triton_attn and not causal else self._mask_bias(rows, idx, Lb, causal)
         delta, splits = None, 1  # the last block's output (or its split-K partials), added by the next norm
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
@@ -274,6 +293,10 @@ class StaticDecoder:
 
     # ---- public -------------------------------------------------------------------------------
     def bucket_len(self, n: int) -> int:
+        """Keys a decode step at length ``n`` reads (and its graph's key): the next bucket edge for SDPA;
+        the whole cache for the Triton kernel, which stops at the step's position by itself (one graph)."""
+        if self.triton_attn:
+            return self.L
         return min(self.L, -(-n // self.bucket) * self.bucket)
 
     @torch.no_grad()

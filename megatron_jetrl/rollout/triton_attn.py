@@ -1,0 +1,157 @@
+"""Decode attention over the static decoder's KV cache, to the exact length (CUDA; Triton).
+
+The static decoder's SDPA attention reads the KV cache up to the next length-bucket edge (one CUDA
+graph per bucket, 256 keys by default) with an additive mask: on average half a bucket of keys more
+than the step needs, and one graph per bucket. This kernel reads the number of keys from the step's
+position tensor on the device, so one captured graph serves every length and a step reads keys
+``0..pos`` only; validity (left-pad keys of shorter prompts) comes from the decoder's ``key_ok`` row,
+one byte per key next to the 2 x head_dim x 2 bytes of K and V, instead of an additive mask per step.
+
+One program per (row, key/value group, key split): the group's query heads (grouped-query attention:
+query head h reads group h // (heads / groups), megatron's and SDPA's grouping) form one
+``[BLOCK_H, d]`` tile against ``[BLOCK_N, d]`` key tiles on the tensor cores, with the usual online
+softmax in fp32 (scores and the running max/sum in fp32, P rounded to the cache dtype for the PV
+product, as flash kernels do). With one split the program writes the output; with several each
+writes its unnormalized fp32 partial and its (max, sum), and a second kernel merges the splits in
+split order (deterministic). Splits divide ``0..pos`` at run time, so they stay balanced at every
+length; the decoder asks for splits only when rows x groups leave SMs idle (small batches, long
+contexts).
+
+Off by default (``rollout.decode_attention=sdpa``): the speed against cuDNN's SDPA on the H200 has
+not been measured yet (``tools/attn_decode_bench.py`` and ``tools/device_check.sh attn`` time both).
+Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr, scale,
+                        sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sok_b, so_b, so_h,
+                        HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    hm = hh < HPG
+    dm = dd < D
+    heads = g * HPG + hh
+    qm = hm[:, None] & dm[None, :]
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=qm, other=0.0)
+    n = tl.load(pos_ptr).to(tl.int32) + 1  # keys 0..pos: the step's own key is written before this runs
+    chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_N) * BLOCK_N
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, n)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    kn = tl.arange(0, BLOCK_N)
+    k_row = k_ptr + b * sk_b + g * sk_g
+    v_row = v_ptr + b * sv_b + g * sv_g
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        keys = start + kn
+        km = keys < hi
+        ok = (tl.load(ok_ptr + b * sok_b + keys, mask=km, other=0) != 0) & km
+        kt = tl.load(k_row + keys[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
+        sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: exp() of -inf -> 0, not NaN
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(sc - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_row + keys[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SPLIT == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
+    else:  # [B, H, SPLIT, BLOCK_D] partials and [B, H, SPLIT, 2] (max, sum), merged by _merge_kernel
+        H = tl.num_programs(1) * HPG
+        row = (b * H + heads) * SPLIT + s
+        tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=qm)
+        tl.store(ml_ptr + row * 2, m_i, mask=hm)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """out[b, h] = sum_s part_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s (split order)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, BLOCK_D)
+    sm = ss < SPLIT
+    row = (b * H + h) * SPLIT + ss
+    m_s = tl.load(ml_ptr + row * 2, mask=sm, other=float("-inf"))
+    l_s = tl.load(ml_ptr + row * 2 + 1, mask=sm, other=0.0)
+    m = tl.max(m_s, 0)  # finite: the split holding key ``pos`` (always valid) has a finite max
+    w = tl.exp(m_s - m)
+    acc = tl.load(part_ptr + row[:, None] * BLOCK_D + dd[None, :], mask=sm[:, None] & (dd[None, :] < D), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(o_ptr + b * so_b + h * so_h + dd, out.to(o_ptr.dtype.element_ty), mask=dd < D)
+
+
+def default_splits(rows: int, groups: int, max_len: int, device: torch.device, block_n: int = 64) -> int:
+    """Key splits per (row, group): enough programs for about two per SM, each split at least four
+    key tiles long at ``max_len``; 1 (no merge kernel) when rows x groups already fill the GPU
+    (batch 64 of an 8B model: 512 programs on 132 SMs)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    want = -(-2 * sms // max(1, rows * groups))
+    return max(1, min(want, max_len // (4 * block_n), 32))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_ok: torch.Tensor,
+                     pos: torch.Tensor, scale: float, splits: int = 1, block_n: int = 64,
+                     num_stages: int = 2, num_warps: int = 4) -> torch.Tensor:
+    """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
+    ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache) over keys ``0..pos[0]``
+    where ``key_ok [b, L]`` is true; returns ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element
+    device tensor (read by the kernel: no host sync, one CUDA graph for every length)."""
+    b, H, D = q.shape
+    G, L = k_cache.shape[1], k_cache.shape[2]
+    if (H % G or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != D
+            or key_ok.shape != (b, L) or min(t.stride(-1) for t in (q, k_cache, v_cache)) != 1):
+        raise ValueError(f"decode_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
+                         f"k/v {tuple(k_cache.shape)} {tuple(k_cache.stride())}, key_ok {tuple(key_ok.shape)}")
+    out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    hpg = H // G
+    block_h, block_d = max(16, triton.next_power_of_2(hpg)), max(16, triton.next_power_of_2(D))
+    ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
+    splits = max(1, int(splits))
+    if splits > 1:
+        part = torch.empty((b, H, splits, block_d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((b, H, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out
+    pdl = pdl_kwargs(q.device)
+    _decode_attn_kernel[(b, G, splits)](
+        q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ok.stride(0), out.stride(0), out.stride(1),
+        HPG=hpg, D=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, **pdl)
+    if splits > 1:
+        _merge_kernel[(b, H)](part, ml, out, out.stride(0), out.stride(1), H, D=D, BLOCK_D=block_d, SPLIT=splits,
+                              BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl)
+    return out
