@@ -4,9 +4,9 @@
 # torch is pinned to the 2.13.0 CPU build (an unpinned torch pulls a multi-GB CUDA build);
 # megatron-core 0.19.2 declares Python >= 3.12 but builds and runs on 3.11: numpy first, then
 # --no-deps --ignore-requires-python; it also needs triton and psutil (undeclared). triton is pinned
-# too: the CPU tests run our kernels under its interpreter, whose numerics follow its version (3.9
-# computes tl.dot as numpy's fp32 matmul; 3.6, tried, cannot index a range with a program-id tensor under
-# numpy 2.4). GPU machines keep their own CUDA triton (the H200 image: 3.6).
+# too: the CPU tests run our kernels under its interpreter, and its behaviour follows its version (3.6,
+# tried, cannot index a range with a program-id tensor under numpy 2.4; 3.9.0 runs the suite). GPU
+# machines keep their own CUDA triton (the H200 image: 3.6).
 # A failed install stops the setup with one line naming the package (pip's own output above it);
 # the environment takes about 3.1 GB, so the free space is checked before anything is installed.
 set -euo pipefail
