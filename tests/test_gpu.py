@@ -194,14 +194,17 @@ def test_small_m_gemm_layouts_agree(M, N, K, swap, tma):
     assert ((y_bf16.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("mode,small_m,pdl", [("bf16", 0, "0"), ("jet", 0, "0"), ("jet", 256, "0"), ("bf16", 0, "1"),
-                                              ("jet", 256, "1")])
-def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, tmp_path, megatron_single, monkeypatch):
+@pytest.mark.parametrize("mode,small_m,pdl,attention", [("bf16", 0, "0", "sdpa"), ("jet", 0, "0", "sdpa"),
+                                                        ("jet", 256, "0", "sdpa"), ("bf16", 0, "1", "sdpa"),
+                                                        ("jet", 256, "1", "sdpa"), ("jet", 256, "0", "triton"),
+                                                        ("bf16", 0, "0", "triton")])
+def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, attention, tmp_path, megatron_single, monkeypatch):
     """The static decoder replaying CUDA graphs draws the same tokens with the same logprobs as the
     same decoder run eagerly, across bucket edges, and keeps doing so after a weight update that
     refreshes the FP8 cache in place (the captured graphs must read the new bytes). With ``pdl`` the
     graphs are captured with programmatic dependent launch (JETRL_PDL=1) and the eager reference runs
-    without it: overlapping the kernels' launches must not change a byte."""
+    without it: overlapping the kernels' launches must not change a byte. With the exact-length Triton
+    attention one graph serves every length (it reads the key count from the position tensor)."""
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
@@ -215,8 +218,8 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, tmp_path,
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (24,), generator=g)]
     params = SamplingParams(max_new_tokens=40, temperature=1.0)
-    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
-               for gr in (False, True)}
+    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr,
+                               attention=attention) for gr in (False, True)}
 
     def gen(gr):
         monkeypatch.setenv("JETRL_PDL", pdl if gr else "0")
@@ -233,6 +236,7 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, tmp_path,
     for gr in engines:
         outs[gr].append(gen(gr))
     assert ptr in engines[True]._decoder.graphs and engines[True].last_stats["graph_capture_s"] == 0.0  # reused
+    assert (len(engines[True]._decoder.graphs) == 1) is (attention == "triton")  # 40 tokens cross 16-key buckets
     for k in range(2):
         for a, b in zip(outs[True][k], outs[False][k]):
             assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
@@ -296,6 +300,63 @@ def test_fp8_transpose_kernel_bytes(shape):
     q, _ = quantize_weight(_x(shape), FP8Recipe())
     t = transpose_bytes_triton(q)
     assert t.is_contiguous() and _same(t, q.t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,H,G,D,L,pos,splits", [(64, 32, 8, 128, 1152, 639, 1), (64, 32, 8, 128, 1152, 639, 4),
+                                                  (5, 32, 8, 128, 4096, 3000, 0), (3, 6, 6, 80, 300, 0, 2),
+                                                  (256, 32, 8, 128, 1152, 1000, 1)])
+def test_decode_attention_kernel_equals_reference(b, H, G, D, L, pos, splits, dtype):
+    """The exact-length decode attention (``rollout/triton_attn.py``) against the fp32 attention over keys
+    0..pos with left pads masked (keys past pos marked valid must be ignored), and against SDPA over the
+    bucket with the decoder's additive mask: within the cache dtype's rounding (bf16: P is rounded to bf16
+    for the PV product, as SDPA's kernels do). ``splits`` 0: the decoder's default for that batch."""
+    import torch.nn.functional as F
+
+    from megatron_jetrl.rollout.triton_attn import decode_attention, default_splits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, G, L, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, G, L, D, device="cuda", generator=g).to(dtype)
+    ok = torch.ones(b, L, dtype=torch.bool, device="cuda")
+    ok[::3, : min(17, pos)] = False
+    ok[:, pos + 1:] = torch.rand(b, L - pos - 1, device="cuda", generator=g) > 0.5
+    valid = ok.clone()
+    valid[:, pos + 1:] = False
+    splits = splits or default_splits(b, G, L, q.device)
+    out = decode_attention(q, k, v, ok, torch.tensor([pos], device="cuda"), D ** -0.5, splits)
+    qf = q.float().view(b, G, H // G, D)
+    s = torch.matmul(qf, k.float().transpose(-1, -2)) * D ** -0.5
+    ref = torch.matmul(s.masked_fill(~valid[:, None, None], float("-inf")).softmax(-1), v.float()).view(b, H, D)
+    bias = torch.zeros(b, 1, 1, L, device="cuda", dtype=dtype).masked_fill_(~valid[:, None, None], float("-inf"))
+    sdpa = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err, err_sdpa = (out.float() - ref).abs().max().item(), (sdpa.float() - ref).abs().max().item()
+    print(f"decode attention b={b} keys={pos + 1} splits={splits} {dtype}: max diff vs fp32 {err:.2e} (SDPA {err_sdpa:.2e})")
+    assert out.dtype == dtype and err < tol and err <= 2 * err_sdpa + tol / 10
+
+
+def test_decoder_triton_attention_equals_sdpa(tmp_path, megatron_single):
+    """The static decoder (fp32 model, CUDA graphs) on the exact-length Triton attention gives the tokens of
+    the SDPA decoder, greedy and sampled, with the logprobs to 1e-4. (Unquantized: in jet a last-bit
+    difference can move an activation across an E4M3 rounding boundary, test_rl.py's sampling test.)"""
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("llama", str(tmp_path), seed=2)
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=bf16"], backend="auto")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (20,), generator=g)]
+    for temp in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=48, temperature=temp)
+        out = {at: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, attention=at).generate(prompts, params)
+               for at in ("sdpa", "triton")}
+        for a, c in zip(out["sdpa"], out["triton"]):
+            assert a.output_ids == c.output_ids, temp
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, c.output_logprobs)) < 1e-4, temp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -433,9 +433,10 @@ def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     the decoder's additive mask over keys 0..pos (left-pad keys masked; keys past pos ignored whatever
     ``key_ok`` says there), for grouped-query and one-head-per-group layouts, a head dim that is not a
     power of two, q as a strided view of a fused QKV output, one split and several (the merge kernel;
-    splits left empty at short lengths), and pos = 0. Then the static decoder on it (llama, GQA, jet):
-    the same tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order),
-    one graph key for every length, and the kernel actually called at every decode step."""
+    splits left empty at short lengths), and pos = 0. Then the static decoder on it (llama, GQA, fp32,
+    unquantized: in jet a last-bit difference can cross an E4M3 rounding boundary): the same sampled
+    tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order), one graph key
+    for every length, and the kernel actually called at every decode step."""
     make_hf_model("llama", str(tmp_path), seed=7)
     code = r'''
 import sys
@@ -461,7 +462,7 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 2
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
 from tests.workers import build_loaded
-_, model, state = build_loaded(sys.argv[1], ["precision.mode=jet"])
+_, model, state = build_loaded(sys.argv[1], ["precision.mode=bf16"])
 calls = []
 orig = triton_attn.decode_attention
 triton_attn.decode_attention = lambda *a, **k: calls.append(1) or orig(*a, **k)

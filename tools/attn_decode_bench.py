@@ -1,51 +1,115 @@
 """Decode-attention variants on this GPU (one query token per row, GQA, left-pad mask), timed as
-CUDA-graph replays: the static decoder's matmul/softmax form vs SDPA with a mask. Prints ms and the
-KV bytes/s each reaches. Usage: python tools/attn_decode_bench.py [B] [Lb]"""
-import sys
+CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an additive mask (what
+``rollout.decode_attention=sdpa`` runs), the exact-length Triton kernel (``rollout/triton_attn.py``,
+``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
+reference, matmul + fp32 softmax and SDPA with K/V expanded. Prints us, the KV bytes/s each reaches
+(the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
+difference from the fp32 reference.
+Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--bucket 256] [--json F]"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
 
 import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import time_graph_ms
-
-B = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-Lb = int(sys.argv[2]) if len(sys.argv) > 2 else 768
-H, g, d = 32, 8, 128
-q = torch.randn(B, H, 1, d, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(B, g, 2048, d, device="cuda", dtype=torch.bfloat16)[:, :, :Lb]
-v = torch.randn_like(k)
-ok = torch.rand(B, Lb, device="cuda") > 0.1
+from megatron_jetrl.rollout.triton_attn import decode_attention, default_splits
 
 
-def manual():
-    qh = q.view(B, g, H // g, d)
-    s = torch.matmul(qh, k.transpose(-1, -2)).float().mul_(d ** -0.5)
-    p = s.masked_fill_(~ok[:, None, None, :], float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(p, v)
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="64,256")
+    ap.add_argument("--keys", default="640,1000", help="pos + 1 (the keys a step attends to)")
+    ap.add_argument("--bucket", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=1152, help="the KV cache's length (prompt + new tokens)")
+    ap.add_argument("--heads", default="32,8")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--plans", default="64:2:4,32:2:4,64:3:4,128:2:8,64:2:8",
+                    help="Triton plans block_n:num_stages:num_warps")
+    ap.add_argument("--json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
+    ap.add_argument("--dtype", default="bfloat16", help="the KV cache's dtype (the interpreter has no bf16 dot: "
+                    "float16/float32 for a CPU smoke run)")
+    a = ap.parse_args()
+    dev, dt = torch.device(a.device), getattr(torch, a.dtype)
+
+    def timed_ms(fn):
+        if dev.type == "cuda":
+            return time_graph_ms(fn)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    H, G = map(int, a.heads.split(","))
+    d, L = a.dim, a.max_len
+    rows = []
+    for B in map(int, a.batch.split(",")):
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(B, H, d, device=dev, dtype=dt, generator=g)
+        kc = torch.randn(B, G, L, d, device=dev, dtype=dt, generator=g)
+        vc = torch.randn(B, G, L, d, device=dev, dtype=dt, generator=g)
+        for n in map(int, a.keys.split(",")):
+            Lb = min(L, -(-n // a.bucket) * a.bucket)
+            ok = torch.ones(B, L, dtype=torch.bool, device=dev)
+            ok[::3, :17] = False  # left pads of shorter prompts
+            ok[:, n:] = False  # not yet written
+            pos = torch.tensor([n - 1], device=dev)
+            bias = torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt).masked_fill_(
+                ~ok[:, None, None, :Lb], float("-inf"))
+            valid = ok[:, None, None, :n]
+            qf, kf, vf = q.float()[:, :, None], kc[:, :, :n].float(), vc[:, :, :n].float()
+            s = torch.matmul(qf.view(B, G, H // G, d), kf.transpose(-1, -2)) * d ** -0.5
+            ref = torch.matmul(s.masked_fill(~valid, float("-inf")).softmax(-1), vf).reshape(B, H, d)
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q[:, :, None], kc[:, :, :Lb], vc[:, :, :Lb], attn_mask=bias,
+                                                      enable_gqa=True)[:, :, 0]
+
+            def manual():
+                qh = q.view(B, G, H // G, 1, d).squeeze(3)
+                sc = torch.matmul(qh, kc[:, :, :Lb].transpose(-1, -2)).float().mul_(d ** -0.5)
+                p = sc.masked_fill_(~ok[:, None, None, :Lb], float("-inf")).softmax(-1).to(vc.dtype)
+                return torch.matmul(p, vc[:, :, :Lb]).reshape(B, H, d)
+
+            def expanded():
+                r = H // G
+                return F.scaled_dot_product_attention(q[:, :, None], kc[:, :, :Lb].repeat_interleave(r, 1),
+                                                      vc[:, :, :Lb].repeat_interleave(r, 1), attn_mask=bias)[:, :, 0]
+
+            variants = {f"sdpa bucket {Lb}": (sdpa, Lb), f"matmul+softmax bucket {Lb}": (manual, Lb),
+                        f"sdpa expanded kv bucket {Lb}": (expanded, Lb)}
+            auto = default_splits(B, G, L, q.device)
+            for plan in a.plans.split(","):
+                bn, st, w = map(int, plan.split(":"))
+                for sp in sorted({1, auto, 2 if auto == 1 else auto}):
+                    variants[f"triton exact bn{bn} st{st} w{w} split{sp}"] = (
+                        (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kc, vc, ok, pos, d ** -0.5, sp, bn, st, w)), n)
+            for name, (fn, keys) in variants.items():
+                try:
+                    err = (fn().float() - ref).abs().max().item()
+                    ms = timed_ms(fn)
+                except Exception as e:  # noqa: BLE001 - report which variants this build refuses
+                    print(f"B={B} keys={n} {name:40s} failed: {str(e).splitlines()[0][:120]}")
+                    continue
+                kv = 2 * B * G * keys * d * 2
+                row = {"batch": B, "keys": n, "variant": name, "us": ms * 1e3, "kv_tb_s": kv / ms / 1e9,
+                       "max_abs_diff": err}
+                rows.append(row)
+                print(f"B={B} keys={n} {name:40s} {ms * 1e3:8.1f} us  KV {kv / ms / 1e9:5.2f} TB/s  "
+                      f"max diff vs fp32 {err:.1e}", flush=True)
+            base = next(r["us"] for r in rows if r["batch"] == B and r["keys"] == n and r["variant"].startswith("sdpa bucket"))
+            best = min((r for r in rows if r["batch"] == B and r["keys"] == n and r["variant"].startswith("triton")),
+                       key=lambda r: r["us"], default=None)
+            if best:
+                print(f"B={B} keys={n}: best Triton plan {best['variant']} {best['us']:.1f} us, "
+                      f"{base / best['us']:.2f}x the SDPA bucket ({base:.1f} us)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
-bias = torch.zeros(B, 1, 1, Lb, device="cuda", dtype=torch.bfloat16).masked_fill_(~ok[:, None, None, :], float("-inf"))
-
-
-def sdpa_mask():
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=ok[:, None, None, :], enable_gqa=True)
-
-
-def sdpa_bias():
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-
-
-def sdpa_expand():  # K/V repeated to all query heads (what the math path does)
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(H // g, 1), v.repeat_interleave(H // g, 1), attn_mask=bias)
-
-
-ref = manual().reshape(B, H, 1, d).float()
-kv = 2 * k.numel() * 2
-for name, fn in (("manual matmul+softmax", manual), ("sdpa bool mask gqa", sdpa_mask), ("sdpa bias gqa", sdpa_bias),
-                 ("sdpa bias expanded kv", sdpa_expand)):
-    try:
-        ms = time_graph_ms(fn)
-        err = (fn().reshape(B, H, 1, d).float() - ref).abs().max().item()
-        print(f"B={B} Lb={Lb} {name:26s} {ms * 1e3:8.1f} us  KV {kv / ms / 1e9:6.2f} TB/s  max diff {err:.2e}")
-    except Exception as e:  # noqa: BLE001 - report which variants this torch build refuses
-        print(f"B={B} Lb={Lb} {name:26s} failed: {str(e).splitlines()[0][:120]}")
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
-# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides) the rollout part's; part attn times the SDPA backends; part
+# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
+# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread).
 set -o pipefail
@@ -27,10 +28,16 @@ if want tune; then  # the small-M kernel's plans (layout, TMA, split-K, stages),
   timeout ${TUNE_TIMEOUT:-330} python3 tools/tune_small_m.py ${TUNE_ARGS:---m ${TUNE_M:-16,64,256} --swap 0,1 --tma 0,1 \
     --split 0,1,2,4,8 --stages ${TUNE_STAGES:-4}} --json $OUT/tune_small_m${TUNE_TAG}.json 2>&1 | tee $OUT/tune_small_m${TUNE_TAG}.txt | tail -16
 fi
-if want rollout; then
-  timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
-    --modes ${RO_MODES:-bf16,jet} --new-tokens 1024 --prompt-len 128 --profile ${RO_PROFILE:-5} \
-    --json $OUT/bench_rollout${RO_TAG}.json $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${RO_TAG}.txt
+if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one process each, files tagged _triton)
+  for at in ${RO_ATTN:-sdpa}; do
+    tag=${RO_TAG}$([ "$at" = sdpa ] || echo "_$at")
+    timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
+      --modes ${RO_MODES:-bf16,jet} --new-tokens 1024 --prompt-len 128 --profile ${RO_PROFILE:-5} \
+      --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${tag}.txt
+  done
+fi
+if want decattn; then  # decode attention alone: SDPA over the bucket vs the exact-length Triton kernel's plans
+  timeout ${DA_TIMEOUT:-150} python3 tools/attn_decode_bench.py ${DA_ARGS} --json $OUT/attn_decode.json 2>&1 | grep -v -i warn | tee $OUT/attn_decode.txt
 fi
 if want attn; then
   timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
