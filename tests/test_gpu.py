@@ -782,7 +782,7 @@ def test_dgrad_weight_cache_on_gpu(megatron_single):
         model.zero_grad()
         for tokens in batches:
             model(tokens, pos, None, labels=tokens).float().mean().backward()
-        assert all((m.fp8_cache._t is not None) is on for m in lin)
+        assert all((m.fp8_cache._t is not None) is on and (m.fp8_cache._t_scale is not None) is on for m in lin)
         grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         drop_dgrad_weights(model)
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))

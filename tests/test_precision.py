@@ -1006,11 +1006,14 @@ def test_grad_accum_fusion_probe_follows_device_and_dtype(megatron_single):
 
 
 def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
-    """precision.cache_dgrad_weights: dgrad's K-major FP8 weight is made on a linear's first backward of the step
-    and reused by the later micro-batches (the same tensor), the gradients equal the per-micro-batch transpose
-    path's, and ``drop_dgrad_weights`` frees the copies; a new version of the weights (refresh) makes a new one."""
+    """precision.cache_dgrad_weights: dgrad's K-major FP8 weight and its K-major block scales are made on a
+    linear's first backward of the step and reused by the later micro-batches (the same tensors), the gradients
+    equal the per-micro-batch transpose path's, and ``drop_dgrad_weights`` frees the copies; a new version of
+    the weights (refresh) makes new ones. The scale copy is laid out as cuBLAS's 128x128 scale operand wants
+    it (``gemm._col_major`` of its transpose is a view: no copy per call)."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision import gemm
     from megatron_jetrl.precision.linear import FP8LinearMixin, drop_dgrad_weights, refresh_fp8_weights
 
     cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
@@ -1028,16 +1031,19 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
         seen = []
         for tokens in batches:
             model(tokens, pos, None, labels=tokens).float().mean().backward()
-            seen.append([m.fp8_cache._t for m in lin])
+            seen.append([(m.fp8_cache._t, m.fp8_cache._t_scale) for m in lin])
         if on:
-            assert all(t is not None for t in seen[0]) and all(a is b for a, b in zip(*seen))
-            q, _ = lin[0].fp8_weight()
-            assert torch.equal(seen[0][0].view(torch.uint8), q.view(torch.uint8).t())
+            assert all(t is not None and ts is not None for t, ts in seen[0])
+            assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(*seen))
+            q, s = lin[0].fp8_weight()
+            assert torch.equal(seen[0][0][0].view(torch.uint8), q.view(torch.uint8).t())
+            ts = seen[0][0][1]
+            assert torch.equal(ts, s.t()) and ts.is_contiguous() and gemm._col_major(ts.t()).data_ptr() == ts.data_ptr()
         else:
-            assert all(t is None for t in seen[0] + seen[1])
+            assert all(t is None and ts is None for t, ts in seen[0] + seen[1])
         grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         drop_dgrad_weights(model)
-        assert all(m.fp8_cache._t is None for m in lin)
+        assert all(m.fp8_cache._t is None and m.fp8_cache._t_scale is None for m in lin)
     assert len(grads[True]) == len(grads[False]) and all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
     state.cache_dgrad_weights = True
     model(batches[0], pos, None, labels=batches[0]).float().mean().backward()
@@ -1047,8 +1053,9 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
     refresh_fp8_weights(model, state)
     model(batches[0], pos, None, labels=batches[0]).float().mean().backward()
     assert lin[0].fp8_cache._t is not first
-    q, _ = lin[0].fp8_weight()
+    q, s = lin[0].fp8_weight()
     assert torch.equal(lin[0].fp8_cache._t.view(torch.uint8), q.view(torch.uint8).t())
+    assert torch.equal(lin[0].fp8_cache._t_scale, s.t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -97,7 +97,9 @@ class FP8WeightCache:
         self.train_blocks = _whole_block_map(self.inv_perm, block_rows)
         self._train: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._train_stores = -1
-        self._t: Optional[torch.Tensor] = None  # dgrad's K-major copy (dgrad_operand), dropped after each step
+        # dgrad's K-major copies of the bytes and of the block scales (dgrad_operands), dropped after each step
+        self._t: Optional[torch.Tensor] = None
+        self._t_scale: Optional[torch.Tensor] = None
         self._t_key = None
 
     def get(self, weight: torch.Tensor, state: FP8ModelState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,20 +162,23 @@ class FP8WeightCache:
             self._reorder()
         return self._train
 
-    def dgrad_operand(self, q: torch.Tensor) -> torch.Tensor:
-        """``q^T`` contiguous ([K, N], the K-major operand of dgrad's FP8 GEMM: cuBLAS reads both FP8 operands
-        K-major) for ``q`` = this cache's bytes in either row order: made once per stored version and kept until
-        :meth:`drop_dgrad`, so a step's micro-batches share one transpose instead of one each."""
-        key = (q.data_ptr(), self.stores, self._train_stores)
+    def dgrad_operands(self, q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q^T`` and ``s^T`` contiguous ([K, N] bytes, the K-major operand of dgrad's FP8 GEMM: cuBLAS reads
+        both FP8 operands K-major; [K/128, N/128] scales, the layout its 128x128 scale operand then needs) for
+        ``q, s`` = this cache's bytes and scales in either row order: made once per stored version and kept
+        until :meth:`drop_dgrad`, so a step's micro-batches share one transpose of each instead of one per
+        call."""
+        key = (q.data_ptr(), s.data_ptr(), self.stores, self._train_stores)
         if self._t is None or self._t_key != key:
             from megatron_jetrl.precision.gemm import _k_major
 
             self._t = _k_major(q.t())
+            self._t_scale = s.t().contiguous()
             self._t_key = key
-        return self._t
+        return self._t, self._t_scale
 
     def drop_dgrad(self) -> None:
-        self._t = self._t_key = None
+        self._t = self._t_scale = self._t_key = None
 
     def _reorder(self) -> None:
         q, s = self.qweight, self.scale_inv
@@ -328,8 +333,9 @@ def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None)
                 dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False, pad_to=pad)
     # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T (the same bytes, K-major: the
     # step's one transpose from the cache when precision.cache_dgrad_weights, else one per micro-batch)
-    wt = ctx.cache.dgrad_operand(qweight) if ctx.cache is not None else qweight.t()
-    dx = block_gemm(dyq, dys, wt, scale_inv.t(), backend, out_dtype=ctx.xdtype, group=g)
+    # (and the block scales' K-major copy, which cuBLAS's scale operand would otherwise make per call)
+    wt, st = ctx.cache.dgrad_operands(qweight, scale_inv) if ctx.cache is not None else (qweight.t(), scale_inv.t())
+    dx = block_gemm(dyq, dys, wt, st, backend, out_dtype=ctx.xdtype, group=g)
     # wgrad: dy^T in 1x128 groups along tokens; x^T re-blocked 128x128 from the saved FP8
     # activations (torch's blockwise scaled_mm needs one operand in 128x128 blocks).
     if recipe.wgrad == "fp8":
@@ -567,7 +573,7 @@ def fp8_report(model: torch.nn.Module) -> dict[str, bool]:
 
 
 def drop_dgrad_weights(model: torch.nn.Module) -> None:
-    """Free the step's dgrad copies of the FP8 weights (``FP8WeightCache.dgrad_operand``)."""
+    """Free the step's dgrad copies of the FP8 weights and scales (``FP8WeightCache.dgrad_operands``)."""
     for module in model.modules():
         if isinstance(module, FP8LinearMixin) and module.fp8_cache is not None:
             module.fp8_cache.drop_dgrad()
