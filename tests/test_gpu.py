@@ -474,10 +474,12 @@ def test_small_m_gemm_with_fused_swiglu_equals_swiglu_then_gemm(M):
     assert _same(fused, ref)
 
 
-@pytest.mark.parametrize("mode,small_m", [("bf16", 0), ("jet", 0), ("jet", 256)])
-def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, tmp_path, megatron_single):
+@pytest.mark.parametrize("mode,small_m,cublas", [("bf16", 0, False), ("jet", 0, False), ("jet", 256, False),
+                                                 ("jet", 0, True)])
+def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, cublas, tmp_path, megatron_single):
     """The static decoder's fused residual add + RMSNorm (+ the FP8 linear's activation quantization,
-    jet with the small-M GEMM) gives the logits of the same decoder running torch's add, the norm
+    jet with the small-M GEMM; with ``cublas`` also for cuBLAS's GEMM, scales column-major, as
+    ``JETRL_NORM_QUANT_CUBLAS=1`` sets) gives the logits of the same decoder running torch's add, the norm
     module and the linear's own quantizer: identical bytes, prefill and 20 decode steps."""
     from megatron_jetrl.rollout.decode import StaticDecoder
     from tests.hf_models import make_hf_model
@@ -498,6 +500,7 @@ def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, tmp_path, me
         for fuse in (True, False):
             dec = StaticDecoder(model, 16, 40, 384, bucket=16, use_graphs=False)
             dec.fuse_add_norm = dec.fuse_norm_quant = fuse
+            dec.norm_quant_cublas = fuse and cublas
             outs[fuse] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
 

@@ -826,8 +826,8 @@ def test_fused_add_rmsnorm_quant_under_the_interpreter():
     Triton's CPU interpreter, fp32: the sum is torch's ``h + d``, the norm output is the RMSNorm
     kernel's (same bytes as without the add and the quantizer), the FP8 bytes and scales are the
     activation quantizer's on that output (kernel-to-kernel: the interpreter's own E4M3 cast is
-    used by both), fp32 and ue8m0 scales; a split-K GEMM's partials as the delta give the bytes of
-    their sum kernel's output as the delta."""
+    used by both), fp32 and ue8m0 scales, row- and column-major; a split-K GEMM's partials as the delta
+    give the bytes of their sum kernel's output as the delta."""
     import subprocess
     import sys
 
@@ -849,6 +849,11 @@ for fmt in ("fp32", "ue8m0"):
         assert torch.equal(y, y_ref)
         qr, sr = quantize_act_triton(y_ref, r)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N)
+        # column-major scales (cuBLAS's layout, as quantize_act(..., scale_col_major=True) writes them)
+        _, _, (qc, sc) = add_rmsnorm_quant(h, d, w, 1e-5, r, scale_col_major=True)
+        qrc, src = quantize_act_triton(y_ref, r, True)
+        assert sc.stride() == src.stride() == (1, M) and torch.equal(sc, sr) and torch.equal(sc, src)
+        assert torch.equal(qc.view(torch.uint8), q.view(torch.uint8))
         h3, y3, none = add_rmsnorm_quant(h, None, w, 1e-5)
         assert none is None and h3.data_ptr() == h.data_ptr() and torch.equal(y3, rmsnorm_forward(h, w, 1e-5)[0])
         # delta as split-K partials (deferred sum): the bytes of the sum kernel's output as delta
@@ -1056,6 +1061,54 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
     q, s = lin[0].fp8_weight()
     assert torch.equal(lin[0].fp8_cache._t.view(torch.uint8), q.view(torch.uint8).t())
     assert torch.equal(lin[0].fp8_cache._t_scale, s.t())
+
+
+def test_fp8_linear_takes_prequantized_input_with_column_major_scales(megatron_single):
+    """An inference forward above ``small_m_max`` rows handed x's FP8 bytes with cuBLAS-layout (column-major)
+    scales (``prequantized_input``, what the decoder's norm kernel writes with ``JETRL_NORM_QUANT_CUBLAS=1``)
+    runs the GEMM alone: no quantizer call, the output bit-equal to the linear quantizing x itself, for the
+    fused QKV in both its output orders (megatron's, through the training-order blocks, and the rollout's) and
+    fc1; a mismatched or absent pre-quantized input is ignored, and a training forward never uses it."""
+    from unittest import mock
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision import linear as linear_mod
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    torch.manual_seed(0)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                               backend="emulated")
+    state.small_m_max = 0
+    layer = model.decoder.layers[0]
+    g = torch.Generator().manual_seed(3)
+    for lin, rollout_layout in ((layer.self_attention.linear_qkv, False), (layer.self_attention.linear_qkv, True),
+                                (layer.mlp.linear_fc1, False)):
+        K = lin.weight.shape[1]
+        x = torch.randn(7, 3, K, generator=g) * 2
+        with torch.no_grad(), state.rollout_precision():
+            lin.rollout_layout_output = rollout_layout
+            try:
+                ref, _ = lin(x)
+                pre = quantize_act(x.reshape(-1, K), state.recipe, scale_col_major=True, use_triton=False)
+                assert pre[1].t().is_contiguous()  # column-major (tiny: one 128-group per row)
+                lin.prequantized_input = pre
+                with mock.patch.object(linear_mod, "quantize_act", side_effect=AssertionError("quantized again")):
+                    out, _ = lin(x)
+                assert torch.equal(out, ref), (lin, rollout_layout)
+                lin.prequantized_input = (pre[0][:20], pre[1][:20])  # another row count: not x's, ignored
+                assert torch.equal(lin(x)[0], ref)
+            finally:
+                lin.rollout_layout_output, lin.prequantized_input = False, None
+    lin = layer.mlp.linear_fc1
+    x = torch.randn(7, 3, lin.weight.shape[1], generator=g, requires_grad=True)
+    lin.prequantized_input = quantize_act(x.detach().reshape(21, -1), state.recipe, scale_col_major=True, use_triton=False)
+    try:
+        with mock.patch.object(linear_mod, "quantize_act", wraps=linear_mod.quantize_act) as q:
+            lin(x)[0].sum().backward()  # a training forward quantizes x itself (and saves it for the backward)
+        assert q.call_count >= 1 and x.grad is not None
+    finally:
+        lin.prequantized_input = None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

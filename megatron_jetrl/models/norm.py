@@ -136,7 +136,7 @@ class JetNorm:
 
 @triton.jit
 def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr, N, stride_h, stride_d,
-                    stride_ho, stride_y, stride_q, stride_s, eps, inv_max, fmax, amax_eps, stride_dsplit,
+                    stride_ho, stride_y, stride_q, stride_s, stride_sg, eps, inv_max, fmax, amax_eps, stride_dsplit,
                     HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
                     G: tl.constexpr, NG: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """One row, held as an [NG, G] tile (element ``i * G + j``): optional residual add, RMSNorm
@@ -166,11 +166,11 @@ def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr
     tl.store(rstd_ptr + row, rstd)
     if QUANT:  # the 1x128 activation quantizer's own group rule (triton_quant.py) on the stored values
         _quantize_store_groups(y.to(tl.float32), tl.arange(0, NG), tl.arange(0, G), mask, 0,
-                               q_ptr + row * stride_q, s_ptr + row * stride_s, N // G, G, 1, 0, inv_max, fmax,
-                               amax_eps, UE8M0)
+                               q_ptr + row * stride_q, s_ptr + row * stride_s, N // G, G, stride_sg, 0, inv_max,
+                               fmax, amax_eps, UE8M0)
 
 
-def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
+def _launch(h2, d2, weight, eps, recipe, splits: int = 1, scale_col_major: bool = False):
     M, N = h2.shape
     hout = torch.empty_like(h2) if d2 is not None else h2
     y = torch.empty_like(h2)
@@ -178,15 +178,20 @@ def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
     G = recipe.group_size if recipe is not None else 128
     if recipe is not None and N % G:
         raise ValueError(f"add_rmsnorm_quant: hidden size {N} is not a multiple of the group {G}")
-    q = torch.empty((M, N), dtype=recipe.dtype, device=h2.device) if recipe is not None else y
-    s = torch.empty((M, N // G), dtype=torch.float32, device=h2.device) if recipe is not None else y
+    if recipe is not None:
+        from megatron_jetrl.precision.triton_quant import _act_outputs
+
+        q, s, _ = _act_outputs(M, N, recipe, h2.device, scale_col_major)
+    else:
+        q = s = y
     if M:
         ng = triton.next_power_of_2(triton.cdiv(N, G))
         block = ng * G
         fmax = recipe.fp8_max if recipe is not None else 448.0
         _rmsnorm_kernel[(M,)](
             h2, d2 if d2 is not None else h2, weight, hout, y, q, s, rstd, N, h2.stride(0),
-            d2.stride(-2) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0), eps,
+            d2.stride(-2) if d2 is not None else 0, hout.stride(0), y.stride(0), q.stride(0), s.stride(0),
+            s.stride(1) if recipe is not None else 0, eps,
             1.0 / fmax, fmax, recipe.amax_eps if recipe is not None else 1e-12,
             d2.stride(0) if splits > 1 else 0, HAS_DELTA=d2 is not None, SPLIT=splits,
             QUANT=recipe is not None, UE8M0=recipe is not None and recipe.scale_fmt == "ue8m0", G=G, NG=ng,
@@ -195,10 +200,12 @@ def _launch(h2, d2, weight, eps, recipe, splits: int = 1):
     return hout, y, ((q, s) if recipe is not None else None), rstd
 
 
-def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, recipe=None, delta_splits: int = 1):
+def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, recipe=None, delta_splits: int = 1,
+                      scale_col_major: bool = False):
     """Inference (no autograd), CUDA: ``h2 = h + delta`` (when ``delta`` is given) and
-    ``y = JetRMSNorm(h2)``, and with a ``recipe`` also ``quantize_act(y)`` (1x128 groups, row-major
-    scales), in one kernel. Returns ``(h2, y, (q, scale_inv) or None)``: the same bytes as the
+    ``y = JetRMSNorm(h2)``, and with a ``recipe`` also ``quantize_act(y)`` (1x128 groups; row-major
+    scales, or column-major, strides (1, rows), the layout cuBLAS's ``scaled_mm`` reads, with
+    ``scale_col_major``), in one kernel. Returns ``(h2, y, (q, scale_inv) or None)``: the same bytes as the
     separate add, norm kernel and activation quantizer (tests). Needs the hidden size a multiple
     of the recipe's group when quantizing. ``delta_splits > 1``: ``delta`` is a split-K GEMM's fp32
     partials ``[splits, tokens, N]`` (``triton_gemm.small_m_linear(..., return_partials=True)``),
@@ -216,5 +223,5 @@ def add_rmsnorm_quant(h: torch.Tensor, delta, weight: torch.Tensor, eps: float, 
         d2 = delta.reshape(-1, N)
         if d2.stride(-1) != 1:
             d2 = d2.contiguous()
-    hout, y, xq, _ = _launch(h2, d2, weight, eps, recipe, delta_splits)
+    hout, y, xq, _ = _launch(h2, d2, weight, eps, recipe, delta_splits, scale_col_major)
     return hout.view(shape), y.view(shape), xq

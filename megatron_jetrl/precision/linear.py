@@ -471,6 +471,16 @@ class FP8LinearMixin:
             # the same FP8 blocks in Megatron's row order: no permutation of y, dy or dW
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
+        pre = self.prequantized_input
+        if pre is not None and not torch.is_grad_enabled() and not self.swiglu_input and pre[0].shape == (M, input.shape[-1]):
+            # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
+            # scales in cuBLAS's column-major layout): the GEMM alone, no quantizer launch
+            y = block_gemm(pre[0], pre[1], qweight, scale_inv, self.fp8_backend, out_dtype=input.dtype,
+                           group=self.fp8_state.recipe.group_size)
+            if inv_perm is not None:
+                y = y.index_select(1, inv_perm.to(y.device))
+            y = y.view(*input.shape[:-1], y.shape[-1])
+            return y if bias is None else y + bias
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
         link = self.swiglu_grad_link
         if link is not None:

@@ -213,9 +213,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if xq is not None:
         q, s = xq
         prequant = True
-        if q.shape != (M, K) or s.shape != (M, triton.cdiv(K, G)) or q.stride(-1) != 1:
+        if q.shape != (M, K) or s.shape != (M, triton.cdiv(K, G)) or q.stride(-1) != 1 or s.stride(-1) != 1:
             raise ValueError(f"small_m_linear: pre-quantized input {tuple(q.shape)} / {tuple(s.shape)} "
-                             f"does not match x [{M}, {K}]")
+                             f"(scale strides {tuple(s.stride())}) does not match x [{M}, {K}] with row-major scales")
     elif swiglu:
         from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
 

@@ -104,6 +104,10 @@ class StaticDecoder:
         # step at batch 64 ran 5.22 ms with it against 5.29-5.30 ms without (H200, docs/benchmarks.md;
         # session 4's variant was slower, 9.6 us per call vs 2.3 us). JETRL_NORM_QUANT=0 turns it off
         self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "1") != "0"
+        # ... also for the linears above small_m_max rows (cuBLAS's GEMM: batch 256, the prefill), with the
+        # scales column-major as scaled_mm reads them; the linear then runs the GEMM alone (same bytes as its
+        # own quantizer; JETRL_NORM_QUANT_CUBLAS=1, off until timed on the H200)
+        self.norm_quant_cublas = self.fuse_norm_quant and os.environ.get("JETRL_NORM_QUANT_CUBLAS", "0") == "1"
         # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
         # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
         # (same bytes; JETRL_DEFER_SPLIT_SUM=0 turns it off)
@@ -193,14 +197,16 @@ class StaticDecoder:
             if delta is not None:
                 h = h + self._summed(delta, splits, h)
             return h, norm(h), None
-        recipe = None
+        recipe, col_major = None, False
         state = getattr(consumer, "fp8_state", None)
         if (self.fuse_norm_quant and state is not None and consumer.fp8_active()
-                and consumer.fp8_backend == "scaled_mm"):
+                and consumer.fp8_backend == "scaled_mm" and h.shape[-1] % state.recipe.group_size == 0):
             M = h.numel() // h.shape[-1]
-            if M <= state.small_m_max and h.shape[-1] % state.recipe.group_size == 0:
+            if M <= state.small_m_max:  # the small-M GEMM reads row-major scales
                 recipe = state.recipe
-        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe, splits)
+            elif self.norm_quant_cublas:  # cuBLAS's scaled_mm reads them column-major
+                recipe, col_major = state.recipe, True
+        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe, splits, scale_col_major=col_major)
 
     def _qkv(self, attn, x, xq=None):
         """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
