@@ -18,7 +18,8 @@ length; the decoder asks for splits only when rows x groups leave SMs idle (smal
 contexts).
 
 Off by default (``rollout.decode_attention=sdpa``): the speed against cuDNN's SDPA on the H200 has
-not been measured yet (``tools/attn_decode_bench.py`` and ``tools/device_check.sh attn`` time both).
+not been measured yet (``tools/attn_decode_bench.py``, part ``decattn`` of ``tools/device_check.sh``, times
+both; ``RO_ATTN="sdpa triton"`` runs the rollout benchmark on each).
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations
