@@ -131,7 +131,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     decode_ms = (st.get("generate_s", wall) - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": cfg.precision.mode, "batch": batch, "prompt_len": prompt_len, "new_tokens": steps,
-           "decode": r.decode, "cuda_graphs": bool(st.get("cuda_graphs", False)),
+           "decode": r.decode, "attention": r.decode_attention, "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
@@ -175,7 +175,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"]), None)
         shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
-    cols = ["mode", "batch", "new_tokens", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
+    cols = ["mode", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
             "capture_s_first_rollout", "peak_GiB", "small_m_max"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
