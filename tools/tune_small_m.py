@@ -7,7 +7,10 @@ and prints the best plan, the default plan's time and the ratios to bf16, so the
 
 What is timed is what the decoder runs: the GEMM kernel with x already quantized (the decoder's
 norm kernel quantizes it) and the split-K partials left unsummed (summed by the next norm kernel
-for the output projection and fc2; ``--with-sum`` adds the sum kernel). A decode step reads each
+for the output projection and fc2; ``--with-sum`` adds the sum kernel). ``--input`` adds the FP8
+linear's standalone call, what ``jetrl bench linear --decode`` times: ``quant`` = the activation
+quantizer kernel, then the GEMM, then the split-K sum (``--fused-sum 1``: summed by each tile's last
+program instead); ``inkernel`` = x quantized inside the GEMM per N tile (no quantizer launch; TMA off). A decode step reads each
 layer's weights once, so each timed call cycles through enough copies of the weight (``--rotate-mb``,
 bf16 and FP8 alike) that they cannot stay in the 50 MB L2 between uses; per-call time is the graph's
 time divided by the copies.
@@ -49,6 +52,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rotate-mb", type=float, default=200.0, help="FP8 weight bytes cycled per timed call")
     ap.add_argument("--with-sum", action="store_true", help="time the split-K sum kernel too")
     ap.add_argument("--shapes", default="", help="N:K,... (default: the decode shapes)")
+    ap.add_argument("--input", default="xq", help="xq (x pre-quantized, the decoder's call), quant, inkernel: "
+                    "comma-separated; the last two time the standalone linear call (summed output)")
+    ap.add_argument("--fused-sum", default="0", help="1: split-K summed by each tile's last program (standalone)")
     args = ap.parse_args(argv)
     recipe = FP8Recipe()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,28 +73,37 @@ def main(argv=None) -> list[dict]:
                                             "scaled_mm" if dev == "cuda" else "emulated"), copies)
         ref = block_gemm(xq_col[0], xq_col[1], qs[0][0], qs[0][1], "emulated", torch.float32)
 
+        def inputs(mode):  # small_m_linear's input arguments for an --input mode
+            if mode == "xq":
+                return dict(xq=xq, return_partials=not args.with_sum)
+            return dict(prequant=mode == "quant")
+
         def call(i, **kw):
-            return small_m_linear(x, qs[i][0], qs[i][1], recipe, xq=xq, return_partials=not args.with_sum, **kw)
+            return small_m_linear(x, qs[i][0], qs[i][1], recipe, **{**inputs("xq"), **kw})
 
         default = _rotated(call, copies)
         results = []
-        for sw, tm, bn, sp, st, bm, nw in itertools.product(*(ints(a) for a in (
-                args.swap, args.tma, args.block_n, args.split, args.stages, args.block_m, args.warps))):
-            kw = dict(swap=bool(sw), tma=bool(tm), block_n=bn, split_k=sp or None, num_stages=st,
-                      block_m=bm or None, num_warps=nw)
-            try:
-                t = _rotated(lambda i: call(i, **kw), copies)
-                out = small_m_linear(x, qs[0][0], qs[0][1], recipe, torch.float32, xq=xq, **kw)
-                err = ((out - ref).norm() / ref.norm()).item()
-            except Exception as e:  # a plan this GPU/compiler rejects (shared memory, registers)
-                print(f"M={M} N={N} K={K} {kw}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            results.append((t, err, f"swap{sw} tma{tm} bn{bn} split{sp or 'auto'} st{st} bm{bm or 'auto'} w{nw}"))
+        for mode in args.input.split(","):
+            for sw, tm, bn, sp, st, bm, nw, fs in itertools.product(*(ints(a) for a in (
+                    args.swap, args.tma, args.block_n, args.split, args.stages, args.block_m, args.warps,
+                    args.fused_sum if mode != "xq" else "0"))):
+                kw = dict(swap=bool(sw), tma=bool(tm), block_n=bn, split_k=sp or None, num_stages=st,
+                          block_m=bm or None, num_warps=nw, fused_sum=bool(fs), **inputs(mode))
+                try:
+                    t = _rotated(lambda i: small_m_linear(x, qs[i][0], qs[i][1], recipe, **kw), copies)
+                    ekw = {k: v for k, v in kw.items() if k != "return_partials"}
+                    out = small_m_linear(x, qs[0][0], qs[0][1], recipe, torch.float32, **ekw)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                except Exception as e:  # a plan this GPU/compiler rejects (shared memory, registers)
+                    print(f"M={M} N={N} K={K} {mode} {kw.keys()}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                results.append((t, err, f"{mode} swap{sw} tma{tm} bn{bn} split{sp or 'auto'} st{st} bm{bm or 'auto'} "
+                                        f"w{nw}{' fsum' if fs else ''}"))
         results.sort()
         best = results[0]
         by = {}
-        for t, _, name in results:  # best of each (swap, tma) family
-            fam = " ".join(name.split()[:2])
+        for t, _, name in results:  # best of each (input, swap, tma) family
+            fam = " ".join(name.split()[:3])
             by.setdefault(fam, (t, name))
         row = {"M": M, "N": N, "K": K, "copies": copies, "bf16_us": bf16 * 1e3, "cublas_fp8_us": cublas * 1e3,
                "default_us": default * 1e3, "default_vs_bf16": bf16 / default, "best_us": best[0] * 1e3,
