@@ -351,6 +351,13 @@ class AlgoConfig:
     block-scaled GEMMs (otherwise every forward and dgrad GEMM pads a copy of its activation operand; the
     weight-gradient GEMM's token dimension is padded to 512 inside the quantizers' buffers whatever this is);
     off elsewhere. Never past ``model.max_position_embeddings``."""
+    recompute_logprobs: bool = True
+    """Compute the PPO ratio's old logprobs in a separate forward pass before training (``time_logprob``;
+    the training phase as the Jet-RL paper times it). ``false``: take them from each micro-batch's own
+    training forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of
+    that forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
+    and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per step
+    less."""
     sft_warmup_steps: int = 0
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None

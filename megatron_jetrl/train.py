@@ -255,8 +255,9 @@ def rl_step(run: Run, step: int) -> dict:
     adv = L.grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt)
     batch = build_batch(prompts, [g.output_ids for g in gens], [g.output_logprobs for g in gens], adv,
                         run.tokenizer.pad_id, next(run.actor.module.parameters()).device)
-    with timed(m, "logprob"):
-        batch.old_logp = run.actor.compute_logprobs(batch)
+    with timed(m, "logprob"):  # (algo.recompute_logprobs=false: the training forward fills them in)
+        if run.cfg.algo.recompute_logprobs:
+            batch.old_logp = run.actor.compute_logprobs(batch)
     with timed(m, "train"):
         m.update(run.actor.train_step(batch))
     with timed(m, "weight_sync"):

@@ -161,6 +161,40 @@ def _tiny_run(run_dir, *overrides):
                              [f"logging.run_dir={run_dir}", "rollout.prompts_per_step=2", *overrides]))
 
 
+@pytest.mark.parametrize("mode", ["jet", "bf16"])
+def test_old_logprobs_from_the_training_forward(mode, tmp_path, megatron_single, monkeypatch):
+    """``algo.recompute_logprobs=false``: no separate logprob pass (``compute_logprobs`` is never called), the
+    old logprobs come from each micro-batch's training forward. Two RL steps from the same start (same
+    rollouts, same seeds) give the run with the separate pass's rollouts, losses, gradient norms, train-rollout
+    mismatch and parameters (to fp32 rounding), with the PPO ratio exactly 1 (no token clipped)."""
+    from megatron_jetrl.memory import optimizer_tensors
+    from megatron_jetrl.train import close, rl_step, sft_step
+    from megatron_jetrl.trainer.actor import Actor
+
+    res = {}
+    for recompute in (True, False):
+        run = _tiny_run(tmp_path / str(recompute), "steps=2", "algo.sft_warmup_steps=1", f"precision.mode={mode}",
+                        "algo.micro_batch_size=3", f"algo.recompute_logprobs={str(recompute).lower()}")
+        calls = []
+        orig = Actor.compute_logprobs
+        monkeypatch.setattr(Actor, "compute_logprobs", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+        try:
+            sft_step(run)
+            ms = [rl_step(run, i) for i in range(2)]
+            assert len(calls) == (2 if recompute else 0)
+            res[recompute] = (ms, [t.detach().clone() for t in optimizer_tensors(run.actor.optimizer)])
+        finally:
+            close(run)
+    (m1, p1), (m0, p0) = res[True], res[False]
+    for a, b in zip(m1, m0):
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length_mean"] == b["response_length_mean"]
+        assert b["clip_fraction"] == 0.0 and abs(b["ratio_mean"] - 1.0) < 1e-6
+        for k in ("pg_loss", "entropy", "grad_norm", "mismatch_abs_mean", "mismatch_abs_max", "mismatch_k3_kl"):
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (k, a[k], b[k])
+    assert a["mismatch_abs_mean"] > 0
+    assert len(p1) == len(p0) and all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(p1, p0))
+
+
 def test_torch_adam_fallback_runs_fused(tmp_path, megatron_single, monkeypatch):
     """Without TE/apex, megatron-core builds torch's Adam; algo.fused_adam switches it to torch's
     fused kernel (the same update as the foreach path: compared on a real step)."""

@@ -395,9 +395,15 @@ class Actor:
             w.copy_(main)
 
     def train_step(self, batch: RLBatch) -> dict:
-        """One optimizer step of the clipped policy-gradient objective over ``batch``."""
+        """One optimizer step of the clipped policy-gradient objective over ``batch``. Without
+        ``batch.old_logp`` (``algo.recompute_logprobs=false``) each micro-batch's own forward, detached, is
+        the old policy's logprobs (this is the batch's only optimizer step) and is written to
+        ``batch.old_logp`` for the mismatch metrics."""
         self.release_weights()
         a = self.algo
+        fill_old = batch.old_logp is None  # (on a non-last pipeline stage loss_func never runs: nothing to fill)
+        if fill_old:
+            batch.old_logp = torch.zeros_like(batch.rollout_logp)
         mbs = batch.split(a.micro_batch_size)
         n_mb = len(mbs)
         # Normalizer over the whole global batch (all micro-batches, all DP ranks); megatron
@@ -412,6 +418,8 @@ class Actor:
         def loss_func(mb, logits):
             b = mb["batch"]
             logp, ent = _logp(mb, logits, self.temperature, with_entropy=True, entropy_grad=bool(a.entropy_coef))
+            if fill_old:  # a view into batch.old_logp: the batch's logprobs under the policy that samples it
+                b.old_logp.copy_(logp.detach())
             is_w = None
             if a.tis_cap is not None:
                 is_w = L.truncated_is_weights(b.old_logp, b.rollout_logp, a.tis_cap)
