@@ -7,7 +7,8 @@
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
-# measured steps (medians over more steps narrow its ~1% run-to-run spread).
+# measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
+# (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
@@ -44,8 +45,8 @@ if want attn; then
 fi
 if want step; then
   timeout ${STEP_TIMEOUT:-240} python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps ${STEP_STEPS:-2} --warmup 1 \
-    --plot $OUT/step_phases_h200.png --json $OUT/bench_step.json model.num_layers=8 rollout.max_new_tokens=1024 \
-    rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 2>&1 | grep -v -i warn | tee $OUT/bench_step.txt
+    --plot $OUT/step_phases_h200${STEP_TAG}.png --json $OUT/bench_step${STEP_TAG}.json model.num_layers=8 rollout.max_new_tokens=1024 \
+    rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 $STEP_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_step${STEP_TAG}.txt
 fi
 if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
   timeout ${BT_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench train --layers ${BT_LAYERS:-8} --seqs ${BT_SEQS:-4096} \
