@@ -210,6 +210,11 @@ def hand_over_weights(run: Run, version: int) -> dict:
             pass
     if dist.is_initialized():
         dist.barrier()
+        # rank 0's push metrics (sync time and bytes, FP8 parity, fleet health) for every rank: the logging
+        # rank is the last one, in another data-parallel group than rank 0 when there are pipeline stages
+        box = [m]
+        dist.broadcast_object_list(box, src=0)
+        m = box[0]
     if not is_rank0():  # rank 0 restarted whatever was down: every server is back for every rank
         for srv in fleet.servers:
             srv.up = True
@@ -265,7 +270,8 @@ def rl_step(run: Run, step: int) -> dict:
     lengths = torch.tensor([len(g.output_ids) for g in gens], dtype=torch.float)
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std(), response_length_mean=lengths.mean(),
              response_length_max=lengths.max(), tokens_per_s=lengths.sum() / m["time_rollout"], is_rl=1.0)
-    m.update({k: float(v) for k, v in L.mismatch_metrics(batch.old_logp, batch.rollout_logp, batch.mask).items()})
+    if batch.old_logp is not None:  # None on a non-last pipeline stage (whose metrics are not logged)
+        m.update({k: float(v) for k, v in L.mismatch_metrics(batch.old_logp, batch.rollout_logp, batch.mask).items()})
     return reduce_over_dp(m)
 
 

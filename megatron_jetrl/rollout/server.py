@@ -178,9 +178,13 @@ class ServeEngine:
                 time.sleep(self.sleep_s)
             if sp.get("sampling_seed") is not None:
                 self.engine.generator.manual_seed(int(sp["sampling_seed"]))
+            t0 = time.perf_counter()
             gens = self.engine.generate(prompts, params)
             version = self.weight_version
             self.served += 1
+            log.info("generate #%d (rid %s): %d prompts, %d new tokens in %.2f s, weight_version %s", self.served,
+                     body.get("rid"), len(prompts), sum(len(g.output_ids) for g in gens), time.perf_counter() - t0,
+                     version)
         rid = body.get("rid")
         out = []
         for i, g in enumerate(gens):

@@ -248,6 +248,23 @@ def parse_generate_response(out, prompts: list[list[int]], url: str = "") -> lis
 # ------------------------------------------------------------------------------------------------
 # Processes
 
+# What torchrun / torch elastic put in a trainer rank's environment. A server started by that rank must not
+# see them: it would join the trainer's rendezvous as another "rank 0" (``init_distributed`` reads RANK and
+# MASTER_ADDR/PORT; SGLang reads LOCAL_RANK/WORLD_SIZE too) and hang there, or pick the trainer's GPU.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_env(base=None) -> dict:
+    """The environment a rollout server is started with: the caller's, without the torch launcher's
+    rank/rendezvous variables (``_LAUNCHER_VARS``, ``TORCHELASTIC_*``), unbuffered output."""
+    env = dict(os.environ if base is None else base)
+    for k in list(env):
+        if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_"):
+            del env[k]
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
 
 @dataclass
 class Server:
@@ -266,7 +283,7 @@ class Server:
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                     env=server_env(), start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

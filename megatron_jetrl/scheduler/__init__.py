@@ -25,6 +25,23 @@ def _cuda_gb() -> float:
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def _model_parallel_group():
+    """megatron's model-parallel group (the TP x PP ranks of one DP rank), or None when it is one rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _first_of(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_rank() == dist.get_process_group_ranks(group)[0]
+
+
 class _Base:
     def __init__(self, run):
         self.run = run
@@ -38,15 +55,41 @@ class _Base:
         return samples, [encode_prompt(run.tokenizer, s) for s in samples for _ in range(n)]
 
     def _generate(self, step: int, prompts):
+        """This DP rank's generations. The in-process engine runs on every rank (its forward is model
+        parallel). A fleet is asked once per DP rank: by the first rank of the model-parallel group (the
+        TP x PP ranks that train the same sequences), the others get ``None`` here and the result from
+        :meth:`_share`. Each rank asking for itself sent every request TP x PP times (16 times on the 70B
+        plan's TP=8 x PP=2) and left the stages' batches equal only as far as the servers' seeded sampling
+        is deterministic across batch compositions."""
         from megatron_jetrl.train import _dp
 
         run = self.run
         rank, dp = _dp()
         seed = run.cfg.seed + step * dp + rank  # per step and DP rank: a resumed run samples the same
         if hasattr(run.engine, "push_weights"):
+            group = _model_parallel_group()
+            if group is not None and not _first_of(group):
+                return None
             return run.engine.generate(prompts, run.sampling, seed=seed * 1009)
         run.engine.generator.manual_seed(seed)
         return run.engine.generate(prompts, run.sampling)
+
+    def _share(self, gens):
+        """A fleet's generations (and its metrics) from the model-parallel group's first rank to the
+        others; called on the main thread (a collective: never from the async rollout's worker thread)."""
+        import torch.distributed as dist
+
+        run = self.run
+        group = _model_parallel_group() if hasattr(run.engine, "push_weights") else None
+        if group is None:
+            return gens
+        src = dist.get_process_group_ranks(group)[0]
+        box = [(gens, dict(run.engine.metrics)) if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        gens, metrics = box[0]
+        if dist.get_rank() != src:
+            run.engine.metrics = metrics
+        return gens
 
     def stream_state(self) -> dict:
         return self.run.stream.state_dict()
@@ -77,6 +120,7 @@ class Colocated(_Base):
         gens = self._generate(step, prompts)
         if fleet:
             barrier()
+            gens = self._share(gens)
             if is_rank0():
                 run.engine.release_memory()
             if run.cfg.scheduler.offload_trainer:
@@ -112,12 +156,14 @@ class Disaggregated(_Base):
         run = self.run
         if self.pool is None:
             samples, prompts, gens = self._launch(step)
+            gens = self._share(gens)
             return samples, prompts, gens, dict(run.engine.metrics)
         t0 = time.perf_counter()
         if self.ahead is None:  # first step (or after a resume): nothing in flight yet
             self._stream_before_ahead = run.stream.state_dict()
             self.ahead = self.pool.submit(self._launch, step)
         samples, prompts, gens = self.ahead.result()
+        gens = self._share(gens)  # here, on the main thread: a collective
         m = {"rollout_wait_s": time.perf_counter() - t0, **run.engine.metrics}
         # Next step's rollout runs on the fleet (with the weights it has now) while this one trains
         # (not after the last step: nothing would consume it).

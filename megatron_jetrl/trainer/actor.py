@@ -401,7 +401,10 @@ class Actor:
         ``batch.old_logp`` for the mismatch metrics."""
         self.release_weights()
         a = self.algo
-        fill_old = batch.old_logp is None  # (on a non-last pipeline stage loss_func never runs: nothing to fill)
+        from megatron.core import parallel_state
+
+        # (a non-last pipeline stage has no logprobs: its loss_func never runs)
+        fill_old = batch.old_logp is None and parallel_state.is_pipeline_last_stage()
         if fill_old:
             batch.old_logp = torch.zeros_like(batch.rollout_logp)
         mbs = batch.split(a.micro_batch_size)
