@@ -399,10 +399,10 @@ class Actor:
         ``batch.old_logp`` (``algo.recompute_logprobs=false``) each micro-batch's own forward, detached, is
         the old policy's logprobs (this is the batch's only optimizer step) and is written to
         ``batch.old_logp`` for the mismatch metrics."""
-        self.release_weights()
-        a = self.algo
         from megatron.core import parallel_state
 
+        self.release_weights()
+        a = self.algo
         # (a non-last pipeline stage has no logprobs: its loss_func never runs)
         fill_old = batch.old_logp is None and parallel_state.is_pipeline_last_stage()
         if fill_old:
@@ -421,7 +421,7 @@ class Actor:
         def loss_func(mb, logits):
             b = mb["batch"]
             logp, ent = _logp(mb, logits, self.temperature, with_entropy=True, entropy_grad=bool(a.entropy_coef))
-            if fill_old:  # a view into batch.old_logp: the batch's logprobs under the policy that samples it
+            if fill_old:  # a view into batch.old_logp: the logprobs under the weights before this step's update
                 b.old_logp.copy_(logp.detach())
             is_w = None
             if a.tis_cap is not None:
