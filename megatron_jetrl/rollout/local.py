@@ -29,8 +29,8 @@ class LocalEngine:
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("rollout.engine=local needs parallel.pipeline_parallel=1; pipelined "
-                             "trainers need the SGLang fleet (rollout.engine=sglang, not implemented yet)")
+            raise ValueError("rollout.engine=local needs parallel.pipeline_parallel=1; pipelined trainers use a "
+                             "rollout fleet: rollout.engine=sglang (or serve) with rollout.weight_transport=disk")
         self.model, self.fp8_state, self.pad_id, self.model_cfg = model, fp8_state, pad_id, model_cfg
         self.vocab_size = vocab_size
         self.weight_version = 0
