@@ -267,31 +267,38 @@ def test_train_over_a_fleet(extra, tmp_path):
     assert "jetrl serve: ready" in (run_dir / "rollout_logs" / "server0.log").read_text()
 
 
-def test_pipeline_parallel_trainer_over_a_fleet(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["colocated", "disagg-async"])
+def test_pipeline_parallel_trainer_over_a_fleet(asynchronous, tmp_path):
     """The 70B plan's shape in small: a PP=2 trainer under torchrun (2 gloo ranks, one layer each) starting its
     own `jetrl serve` worker. The server must not join the trainer's rendezvous (it inherited torchrun's
     RANK/MASTER_PORT and hung there); the first stage has no logprobs (mismatch metrics on the last stage only);
-    the fleet is asked once per step for both stages (the second stage gets the first's generations), and the
+    the fleet is asked once per step for both stages (the second stage gets the first's generations: in the
+    one-step-ahead mode the first stage's worker thread generates and the main thread broadcasts), and the
     logging rank (the last) sees rank 0's hand-over metrics (FP8 parity)."""
     from megatron_jetrl.distributed import free_port
 
-    run_dir = tmp_path / "run"
+    run_dir, steps = tmp_path / "run", 3 if asynchronous else 2
+    extra = ["scheduler.mode=disaggregated", "scheduler.async_rollout=true"] if asynchronous else []
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
-                          "--run-dir", str(run_dir), "steps=2", "algo.sft_warmup_steps=1", "rollout.engine=serve",
+                          "--run-dir", str(run_dir), f"steps={steps}", "algo.sft_warmup_steps=1", "rollout.engine=serve",
                           "rollout.num_servers=1", "rollout.weight_transport=disk", "parallel.pipeline_parallel=2",
-                          "rollout.prompts_per_step=2", "rollout.chunk_size=64"],
+                          "rollout.prompts_per_step=2", "rollout.chunk_size=64", *extra],
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _metrics(run_dir)
     rl = [r for r in rows if r["is_rl"] == 1.0]
-    assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["is_rl"] for r in rows] == [0.0] + [1.0] * steps
     for r in rl:
         assert r["parity_checked"] > 0 and r["parity_mismatch"] == 0 and r["fleet_servers_up"] == 1
-        assert r["mismatch_abs_mean"] < 1e-4  # the same FP8 bytes on both sides
+    if asynchronous:
+        assert [r["rollout_staleness"] for r in rl] == [0.0, 1.0, 1.0]
+    else:
+        assert all(r["mismatch_abs_mean"] < 1e-4 for r in rl)  # the same FP8 bytes on both sides
     log = (run_dir / "rollout_logs" / "server0.log").read_text()
     assert "jetrl serve: ready" in log
-    assert log.count("generate #") == 2, log[-2000:]  # one request per RL step (16 prompts, one chunk), not one per stage
+    # one request per RL step (16 prompts, one chunk), not one per stage
+    assert log.count("generate #") == steps, log[-2000:]
 
 
 def test_actor_offload_reload_is_bit_identical(tmp_path, megatron_single):
