@@ -244,6 +244,7 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
 
 def main(argv=None) -> int:
     from megatron_jetrl.config import ConfigError, load_config, save_config
+    from megatron_jetrl.rollout.sglang import server_env
 
     ap = argparse.ArgumentParser(prog="jetrl launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", help="preset in examples/configs")
@@ -308,7 +309,8 @@ def main(argv=None) -> int:
         for c in mine:
             if c[0] == "bash":  # a server: in the background
                 log = open(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"), "ab")
-                procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                              start_new_session=True))
             else:
                 rc = subprocess.run(c).returncode
                 if rc:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
-from megatron_jetrl.precision.triton_quant import _quantize_store_groups, _rows
+from megatron_jetrl.precision.triton_quant import _act_outputs, _quantize_store_groups, _rows
 
 
 def triton_rmsnorm_enabled() -> bool:
@@ -179,8 +179,6 @@ def _launch(h2, d2, weight, eps, recipe, splits: int = 1, scale_col_major: bool 
     if recipe is not None and N % G:
         raise ValueError(f"add_rmsnorm_quant: hidden size {N} is not a multiple of the group {G}")
     if recipe is not None:
-        from megatron_jetrl.precision.triton_quant import _act_outputs
-
         q, s, _ = _act_outputs(M, N, recipe, h2.device, scale_col_major)
     else:
         q = s = y

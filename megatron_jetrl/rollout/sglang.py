@@ -255,10 +255,11 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def server_env(base=None) -> dict:
-    """The environment a rollout server is started with: the caller's, without the torch launcher's
-    rank/rendezvous variables (``_LAUNCHER_VARS``, ``TORCHELASTIC_*``), unbuffered output."""
-    env = dict(os.environ if base is None else base)
+def server_env() -> dict:
+    """The environment a rollout server is started with (by a trainer rank or by ``jetrl launch``): this
+    process's, without the torch launcher's rank/rendezvous variables (``_LAUNCHER_VARS``,
+    ``TORCHELASTIC_*``), unbuffered output."""
+    env = dict(os.environ)
     for k in list(env):
         if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_"):
             del env[k]
