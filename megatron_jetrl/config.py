@@ -293,11 +293,14 @@ class RolloutConfig:
     """Static decoding on CUDA: capture each decode step in a CUDA graph (dense models)."""
     decode_bucket: int = 256
     """Static decoding: attention reads the KV cache up to the next multiple of this (one graph each)."""
-    decode_attention: Literal["sdpa", "triton"] = "triton"
-    """Static decoding on CUDA, a decode step's attention: ``triton`` (``rollout/triton_attn.py``: reads
-    keys up to the step's position only, one CUDA graph for every length; on the H200 1.17x cuDNN's SDPA
-    at 640 keys, equal at 1000, rollout 4-5.5% faster in both modes: docs/benchmarks.md) or ``sdpa``
-    (torch SDPA over the bucket with a mask; what CPU decoding runs either way). Prefill always runs SDPA."""
+    decode_attention: Literal["sdpa", "triton"] = "sdpa"
+    """Static decoding on CUDA, a decode step's attention: ``sdpa`` (default: torch SDPA over the bucket
+    with a mask, cuDNN's kernel on the H200, the kernel family the trainer's attention runs) or ``triton``
+    (``rollout/triton_attn.py``: reads keys up to the step's position only, one CUDA graph for every
+    length). On the H200 ``triton`` made the 8B rollout 4-5.5% faster in both modes but raised the
+    train-rollout mismatch by a quarter (mean abs logp, 8-layer RL step: bf16 0.0167 -> 0.0212, jet 0.125
+    -> 0.152): its rounding is independent of the trainer's cuDNN attention. docs/benchmarks.md.
+    Prefill always runs SDPA."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU)."""
@@ -352,13 +355,14 @@ class AlgoConfig:
     block-scaled GEMMs (otherwise every forward and dgrad GEMM pads a copy of its activation operand; the
     weight-gradient GEMM's token dimension is padded to 512 inside the quantizers' buffers whatever this is);
     off elsewhere. Never past ``model.max_position_embeddings``."""
-    recompute_logprobs: bool = True
-    """Compute the PPO ratio's old logprobs in a separate forward pass before training (``time_logprob``;
-    the training phase as the Jet-RL paper times it). ``false``: take them from each micro-batch's own
-    training forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of
-    that forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
-    and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per step
-    less."""
+    recompute_logprobs: bool = False
+    """Where the PPO ratio's old logprobs come from. ``false`` (default): each micro-batch's own training
+    forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of that
+    forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
+    and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per
+    step less (the 8-layer 8B step on the H200: bf16 4.05 -> 3.55 s, jet 3.22 -> 2.86 s). ``true``: a
+    separate forward pass before training (``time_logprob``; the training phase as the Jet-RL paper
+    times it, and what a loop with several optimizer steps per batch would need)."""
     sft_warmup_steps: int = 0
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None

@@ -34,7 +34,7 @@ def test_bench_rollout_harness(tmp_path):
     assert [(r["mode"], r["batch"]) for r in rows] == [("bf16", 3), ("jet", 3), ("bf16", 5), ("jet", 5)]
     for r in rows:  # no stop tokens: every row runs to the end
         assert r["new_tokens"] == 24 and r["sample_tokens"] == 24 * r["batch"] and not r["cuda_graphs"]
-        assert r["attention"] == "sdpa"  # the attention that ran: the default triton falls back to SDPA on CPU
+        assert r["attention"] == "sdpa"  # the attention that ran, named in every row
         assert r["rollout_s"] > r["prefill_s"] > 0 and r["decode_step_ms"] > 0
     # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
     assert rows[1]["weight_GB"] < rows[0]["weight_GB"]

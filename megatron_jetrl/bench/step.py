@@ -1,5 +1,7 @@
 """``jetrl bench step``: full RL steps (rollout, reward, logprob recompute, train, FP8
-re-quantization, weight hand-over) per precision mode, side by side in one run.
+re-quantization, weight hand-over) per precision mode, side by side in one run. The logprob
+recompute is a phase of its own only with ``algo.recompute_logprobs=true`` (the paper's training
+phase); by default the training forward supplies the old logprobs and ``logprob`` is ~0.
 
 Each mode runs the same preset (same seed, prompts, batch sizes) colocated on this machine with the
 in-process engine, for ``--steps`` measured RL steps after ``--warmup`` steps. It prints the median

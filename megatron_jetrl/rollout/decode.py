@@ -121,7 +121,7 @@ class StaticDecoder:
         self.triton_attn = attention == "triton" and (self.device.type == "cuda"
                                                       or os.environ.get("TRITON_INTERPRET") == "1")
         if attention == "triton" and not self.triton_attn:
-            log.debug("rollout decode: the Triton decode attention needs CUDA; using SDPA")
+            log.info("rollout decode: the Triton decode attention needs CUDA; using SDPA")
         if self.triton_attn:
             from megatron_jetrl.rollout.triton_attn import default_splits
 

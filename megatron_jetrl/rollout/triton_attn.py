@@ -17,10 +17,12 @@ split order (deterministic). Splits divide ``0..pos`` at run time, so they stay 
 length; the decoder asks for splits only when rows x groups leave SMs idle (small batches, long
 contexts).
 
-The default on CUDA (``rollout.decode_attention=triton``). On the H200 (docs/benchmarks.md, session 15;
+Opt-in (``rollout.decode_attention=triton``). On the H200 (docs/benchmarks.md, session 15;
 ``tools/attn_decode_bench.py``, part ``decattn`` of ``tools/device_check.sh``) the default plan (64-key
 tiles, 2 stages, 4 warps, no split) ran 1.17x cuDNN's SDPA over the 256-key bucket at 640 keys and equal
-at 1000 (at batch 64 and 256, 3.7-4.2 TB/s of K/V), and the 8B rollout took 4-5.5% less time in both modes.
+at 1000 (batch 64 and 256, 3.7-4.2 TB/s of K/V), and the 8B rollout took 4-5.5% less time in both modes;
+but the train-rollout mismatch of an RL step rose by about a quarter (its rounding is independent of the
+cuDNN attention the trainer runs), so SDPA stays the default.
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations
