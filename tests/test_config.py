@@ -22,6 +22,14 @@ def test_preset_loads_and_round_trips(tmp_path):
     assert again == cfg
 
 
+@pytest.mark.parametrize("preset", sorted(f for f in os.listdir(os.path.join(REPO, "examples", "configs"))
+                                           if f.endswith(".yaml")))
+def test_every_preset_loads(preset):
+    """Every shipped preset passes validation (the GPU benchmarks and launch plans name them)."""
+    cfg = load_config(os.path.join(REPO, "examples", "configs", preset))
+    assert cfg.model.num_attention_heads % cfg.model.num_key_value_heads == 0 and cfg.model.num_layers > 0
+
+
 @pytest.mark.parametrize("overrides,pattern", [
     (["model.hiden_size=3"], r"model.hiden_size: unknown key; valid keys here: .*hidden_size"),
     (["model.hidden_size=abc"], r"model.hidden_size: expected an integer, got 'abc'"),
