@@ -360,7 +360,7 @@ class AlgoConfig:
     forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of that
     forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
     and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per
-    step less (the 8-layer 8B step on the H200: bf16 4.05 -> 3.55 s, jet 3.22 -> 2.86 s). ``true``: a
+    step less (the 8-layer 8B step on the H200: bf16 4.14 -> 3.61 s, jet 3.31 -> 2.93 s). ``true``: a
     separate forward pass before training (``time_logprob``; the training phase as the Jet-RL paper
     times it, and what a loop with several optimizer steps per batch would need)."""
     sft_warmup_steps: int = 0

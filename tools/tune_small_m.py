@@ -112,9 +112,9 @@ def main(argv=None) -> list[dict]:
                "families": {f: (round(t * 1e3, 2), n) for f, (t, n) in by.items()}}
         rows.append(row)
         print(row, flush=True)
+        dump_json(args.json, rows)  # after every point: a sweep stopped by a time limit keeps what it measured
     print(f"(HBM copy ceiling {HBM_TBPS} TB/s)")
     print_table(rows, [c for c in rows[0] if c != "families"])
-    dump_json(args.json, rows)
     return rows
 
 

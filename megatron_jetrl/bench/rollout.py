@@ -131,7 +131,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     decode_ms = (st.get("generate_s", wall) - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": cfg.precision.mode, "batch": batch, "prompt_len": prompt_len, "new_tokens": steps,
-           "decode": r.decode, "attention": "triton" if getattr(dec, "triton_attn", False) else "sdpa", "cuda_graphs": bool(st.get("cuda_graphs", False)),
+           "decode": r.decode, "attention": "triton" if getattr(dec, "triton_attn", False) else "sdpa",  # what ran
+           "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
