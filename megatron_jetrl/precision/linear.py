@@ -217,6 +217,15 @@ class FP8WeightCache:
         return out
 
 
+def _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, out_dtype, group, lead):
+    """The FP8 forward GEMM on quantized activations: ``y = xq @ qweight^T`` in block FP8, its columns put
+    back in Megatron's row order (``inv_perm``, the rollout-order fused QKV), shaped ``[*lead, N]``."""
+    y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=out_dtype, group=group)
+    if inv_perm is not None:
+        y = y.index_select(1, inv_perm)
+    return y.view(*lead, y.shape[-1])
+
+
 class FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in block FP8; see the module docstring for the backward."""
 
@@ -225,14 +234,12 @@ class FP8LinearFunction(torch.autograd.Function):
                 cache=None):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
-        y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=x.dtype, group=recipe.group_size)
-        if inv_perm is not None:
-            y = y.index_select(1, inv_perm)
+        y = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, x.dtype, recipe.group_size, lead)
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
         ctx.weight = weight if fuse_accum else None
         ctx.link, ctx.cache = link, cache
-        return y.view(*lead, y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -372,14 +379,12 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
 
         lead = y.shape[:-1]
         xq, xs = quantize_swiglu(y.reshape(-1, y.shape[-1]), recipe, scale_col_major=backend == "scaled_mm")
-        out = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=y.dtype, group=recipe.group_size)
-        if inv_perm is not None:
-            out = out.index_select(1, inv_perm)
+        out = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, y.dtype, recipe.group_size, lead)
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
         ctx.weight = weight if fuse_accum else None
         ctx.link, ctx.cache = link, cache
-        return out.view(*lead, out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -475,11 +480,8 @@ class FP8LinearMixin:
         if pre is not None and not torch.is_grad_enabled() and not self.swiglu_input and pre[0].shape == (M, input.shape[-1]):
             # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
             # scales in cuBLAS's column-major layout): the GEMM alone, no quantizer launch
-            y = block_gemm(pre[0], pre[1], qweight, scale_inv, self.fp8_backend, out_dtype=input.dtype,
-                           group=self.fp8_state.recipe.group_size)
-            if inv_perm is not None:
-                y = y.index_select(1, inv_perm.to(y.device))
-            y = y.view(*input.shape[:-1], y.shape[-1])
+            y = _forward_gemm(pre[0], pre[1], qweight, scale_inv, inv_perm, self.fp8_backend, input.dtype,
+                              self.fp8_state.recipe.group_size, input.shape[:-1])
             return y if bias is None else y + bias
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
         link = self.swiglu_grad_link
