@@ -3,7 +3,7 @@
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
-# set the benchtrain part's slices; TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
+# set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
@@ -50,7 +50,7 @@ if want step; then
 fi
 if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
   timeout ${BT_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench train --layers ${BT_LAYERS:-8} --seqs ${BT_SEQS:-4096} \
-    --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
+    --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} $BT_ARGS --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
