@@ -74,7 +74,7 @@ def fingerprint(model) -> tuple:
 class StaticDecoder:
     """Prefill + graph-captured decode steps for a batch of ``batch`` rows up to ``max_len`` tokens."""
 
-    def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 256,
+    def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 64,
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
                  prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None):
         self.gpt = unwrap(model)

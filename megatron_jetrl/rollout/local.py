@@ -24,7 +24,7 @@ ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many ro
 
 class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
-                 model_cfg=None, decode: str = "static", cuda_graphs: bool = True, bucket: int = 256,
+                 model_cfg=None, decode: str = "static", cuda_graphs: bool = True, bucket: int = 64,
                  keep_cache: bool = True, attention: str = "sdpa"):
         from megatron.core import parallel_state
 
