@@ -10,8 +10,7 @@ norm kernel quantizes it) and the split-K partials left unsummed (summed by the 
 for the output projection and fc2; ``--with-sum`` adds the sum kernel). ``--input`` adds the FP8
 linear's standalone call, what ``jetrl bench linear --decode`` times: ``quant`` = the activation
 quantizer kernel, then the GEMM, then the split-K sum (``--fused-sum 1``: summed by each tile's last
-program instead); ``inkernel`` = x quantized inside the GEMM per N tile (no quantizer launch; with
-``--tma 1`` the weight tiles still come through TMA). A decode step reads each
+program instead); ``inkernel`` = x quantized inside the GEMM per N tile (no quantizer launch; TMA off). A decode step reads each
 layer's weights once, so each timed call cycles through enough copies of the weight (``--rotate-mb``,
 bf16 and FP8 alike) that they cannot stay in the 50 MB L2 between uses; per-call time is the graph's
 time divided by the copies.

@@ -125,9 +125,9 @@ SWAP_MAX_M = {"0": 0, "1": 1 << 30}.get(os.environ.get("JETRL_SMALL_M_SWAP", "")
 USE_TMA = os.environ.get("JETRL_SMALL_M_TMA", "1") == "1"
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
+def _tma_ok(q: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Tensor descriptors need 16-byte aligned bases and row strides and contiguous rows."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) % 16 == 0 for t in ts)
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) % 16 == 0 for t in (q, qweight))
 
 
 _LOCKS: dict = {}
@@ -198,8 +198,8 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     ``return_partials``: returns ``(out, split)``; with split-K, ``out`` is the unsummed fp32 partials
     ``[split, M, N]`` for a consumer that sums them itself in split order (the decoder's residual add +
     RMSNorm kernel: same bytes as the sum kernel, one launch less), else y and 1. ``swap``: compute each
-    tile as y^T = W x^T (None: up to ``SWAP_MAX_M`` rows); ``tma``: load the FP8 weight tiles (and the
-    pre-quantized x tiles, if x is pre-quantized) through tensor descriptors (None: ``USE_TMA``, where the layouts allow it; otherwise plain loads)."""
+    tile as y^T = W x^T (None: up to ``SWAP_MAX_M`` rows); ``tma``: load the FP8 weight and pre-quantized x
+    tiles through tensor descriptors (None: ``USE_TMA``, where the layouts allow it; otherwise plain loads)."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -234,11 +234,9 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
         part = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
         locks = _locks(x.device, grid[0] * grid[1]) if split > 1 and fused_sum else None
-        # TMA streams the weight tiles, and the pre-quantized x tiles when there are any (with x quantized
-        # inside the kernel, x comes through per-thread loads and only the weight through the descriptor)
-        tma = (USE_TMA if tma is None else tma) and _tma_ok(qweight) and (not prequant or _tma_ok(q))
-        wt = TensorDescriptor.from_tensor(qweight, [block_n, G]) if tma else qweight
-        qt = TensorDescriptor.from_tensor(q, [block_m, G]) if tma and prequant else q
+        tma = (USE_TMA if tma is None else tma) and prequant and _tma_ok(q, qweight)
+        wt, qt = ((TensorDescriptor.from_tensor(qweight, [block_n, G]), TensorDescriptor.from_tensor(q, [block_m, G]))
+                  if tma else (qweight, q))
         _small_m_kernel[grid](x2, wt, w_scale, part, qt, s, M, N, K, per, x2.stride(0), qweight.stride(0),
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
                               q.stride(0) if return_quantized or prequant else 0,
