@@ -298,6 +298,10 @@ class RolloutConfig:
     12.43 s), about what the exact-length Triton attention gains, with the RL step's train-rollout
     mismatch unchanged within its spread (jet 0.124 -> 0.127; the Triton kernel: 0.152); the cost is more
     graphs to capture once (batch 256: ~2.6-4 s on the first rollout instead of ~1-1.5 s)."""
+    decode_max_graphs: int = 32
+    """Static decoding with SDPA attention: at most this many length buckets (CUDA graphs) per decoder; for long
+    contexts the bucket widens to a multiple of ``decode_bucket`` (e.g. 1024 keys at 32K positions) instead of
+    capturing hundreds of graphs (~0.15-0.3 s each for an 8B model on the H200). 0: no limit."""
     decode_attention: Literal["sdpa", "triton"] = "sdpa"
     """Static decoding on CUDA, a decode step's attention: ``sdpa`` (default: torch SDPA over the bucket
     with a mask, cuDNN's kernel on the H200, the kernel family the trainer's attention runs) or ``triton``
@@ -316,6 +320,8 @@ class RolloutConfig:
         _positive(self, "rollout", "decode_bucket", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
                   "server_tp", "bucket_mb", "chunk_size", "request_timeout_s", "health_timeout_s")
         _check(0 < self.mem_fraction < 1, "rollout.mem_fraction", f"{self.mem_fraction} not in (0, 1)", "use e.g. 0.8")
+        _check(self.decode_max_graphs >= 0, "rollout.decode_max_graphs", f"must be >= 0, got {self.decode_max_graphs}",
+               "use e.g. 32 (0: no limit)")
         for a in self.server_addresses:
             _check(a.startswith(("http://", "https://")), "rollout.server_addresses", f"{a!r} is not a URL",
                    "write http://host:port")

@@ -131,7 +131,8 @@ def setup(cfg: JetConfig) -> Run:
         r = cfg.rollout
         engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
                              model_cfg=cfg.model, decode=r.decode, cuda_graphs=r.cuda_graphs,
-                             bucket=r.decode_bucket, keep_cache=r.keep_decode_cache, attention=r.decode_attention)
+                             bucket=r.decode_bucket, keep_cache=r.keep_decode_cache, attention=r.decode_attention,
+                             max_graphs=r.decode_max_graphs)
     stream = PromptStream(samples, cfg.seed)
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")

@@ -48,6 +48,7 @@ def test_every_preset_loads(preset):
     (["rollout.engine=sglang", "parallel.pipeline_parallel=2"], r"rollout.weight_transport: distributed sends from one rank"),
     (["rollout.server_addresses=[localhost:3000]"], r"rollout.server_addresses: 'localhost:3000' is not a URL; write http://host:port"),
     (["rollout.mem_fraction=1.5"], r"rollout.mem_fraction: 1.5 not in \(0, 1\)"),
+    (["rollout.decode_max_graphs=-1"], r"rollout.decode_max_graphs: must be >= 0, got -1"),
 ])
 def test_bad_config_one_line_errors(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern) as e:

@@ -17,15 +17,17 @@ from tests.workers import build_loaded
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("mode,model_type,decode", [("bf16", "qwen3", "static"), ("jet", "qwen3", "static"),
-                                                    ("jet", "qwen2", "static"), ("jet", "llama", "static"),
-                                                    ("bf16", "qwen3", "megatron"), ("jet", "qwen3", "megatron")])
-def test_kv_cache_generation_equals_full_reforward(mode, model_type, decode, tmp_path, megatron_single):
+@pytest.mark.parametrize("mode,model_type,decode,max_graphs", [
+    ("bf16", "qwen3", "static", 32), ("jet", "qwen3", "static", 32), ("jet", "qwen2", "static", 32),
+    ("jet", "llama", "static", 32), ("jet", "qwen3", "static", 2), ("bf16", "qwen3", "megatron", 32),
+    ("jet", "qwen3", "megatron", 32)])
+def test_kv_cache_generation_equals_full_reforward(mode, model_type, decode, max_graphs, tmp_path, megatron_single):
     """Both decoders (the static one with a 4-token bucket, so the steps cross bucket edges) give
-    the tokens of a full re-forward of the growing sequence."""
+    the tokens of a full re-forward of the growing sequence; with ``max_graphs=2`` the static decoder
+    widens its bucket to a multiple of 4 with at most 2 buckets over its cache, and still does."""
     make_hf_model(model_type, str(tmp_path), seed=11)
     _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"])
-    engine = LocalEngine(model, state, pad_id=0, vocab_size=384, decode=decode, bucket=4)
+    engine = LocalEngine(model, state, pad_id=0, vocab_size=384, decode=decode, bucket=4, max_graphs=max_graphs)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 9, 7)]  # left padding
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
@@ -39,6 +41,24 @@ def test_kv_cache_generation_equals_full_reforward(mode, model_type, decode, tmp
                 seq.append(int(logits.argmax()))
         assert gen.output_ids == seq[len(prompt):]
         assert len(gen.output_logprobs) == 8 and all(lp <= 0 for lp in gen.output_logprobs)
+    if decode == "static":  # the buckets the decoder used: multiples of 4, at most max_graphs of them
+        dec = engine._decoder
+        n = -(-dec.L // dec.bucket)
+        assert dec.bucket % 4 == 0 and n <= max_graphs and (dec.bucket == 4) is (-(-dec.L // 4) <= max_graphs)
+
+
+def test_wide_bucket_bounds_the_graphs():
+    """``rollout.decode_max_graphs``: the decoder's bucket is the smallest multiple of ``decode_bucket`` that
+    leaves at most that many buckets over the cache (0: no limit)."""
+    from megatron_jetrl.rollout.decode import wide_bucket
+
+    assert wide_bucket(64, 1152, 32) == 64 and wide_bucket(64, 32768, 32) == 1024 and wide_bucket(64, 32768, 0) == 64
+    for base in (1, 16, 64, 256):
+        for L in (1, 63, 64, 65, 1152, 4097, 32769, 131072):
+            for g in (1, 2, 7, 32):
+                b = wide_bucket(base, L, g)
+                assert b % base == 0 and -(-L // b) <= g, (base, L, g, b)
+                assert b == base or -(-L // (b - base)) > g, (base, L, g, b)  # the smallest such multiple
 
 
 def test_static_decoder_samples_like_megatron_decode(tmp_path, megatron_single):

@@ -89,7 +89,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     r = cfg.rollout
     engine = LocalEngine(model, state, pad_id=0, seed=cfg.seed, vocab_size=cfg.model.vocab_size, decode=r.decode,
                          cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=True,
-                         attention=r.decode_attention)
+                         attention=r.decode_attention, max_graphs=r.decode_max_graphs)
     g = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(3, cfg.model.vocab_size, (batch, prompt_len), generator=g).tolist()
     params = SamplingParams(new_tokens, 1.0, 1.0, 0, ())

@@ -25,7 +25,7 @@ ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many ro
 class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
                  model_cfg=None, decode: str = "static", cuda_graphs: bool = True, bucket: int = 64,
-                 keep_cache: bool = True, attention: str = "sdpa"):
+                 keep_cache: bool = True, attention: str = "sdpa", max_graphs: int = 32):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -38,6 +38,7 @@ class LocalEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_parity: dict = {}
         self.decode, self.cuda_graphs, self.bucket, self.keep_cache = decode, cuda_graphs, bucket, keep_cache
+        self.max_graphs = max_graphs
         self.attention = attention  # the static decoder's decode-step attention: "sdpa" or "triton"
         self._decoder = None
         self.last_stats: dict = {}
@@ -68,7 +69,7 @@ class LocalEngine:
             self._decoder = None  # free the old cache before allocating the new one
             d = StaticDecoder(self.model, rows, max_len,
                               self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda",
-                              attention=self.attention)
+                              attention=self.attention, max_graphs=self.max_graphs)
         self._decoder = d if self.keep_cache else None
         return d
 
