@@ -35,6 +35,7 @@ def test_bench_rollout_harness(tmp_path):
     for r in rows:  # no stop tokens: every row runs to the end
         assert r["new_tokens"] == 24 and r["sample_tokens"] == 24 * r["batch"] and not r["cuda_graphs"]
         assert r["attention"] == "sdpa"  # the attention that ran, named in every row
+        assert r["decode_bucket"] == 64 and r["graphs"] == 0  # the default bucket; no CUDA graphs on CPU
         assert r["rollout_s"] > r["prefill_s"] > 0 and r["decode_step_ms"] > 0
     # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
     assert rows[1]["weight_GB"] < rows[0]["weight_GB"]

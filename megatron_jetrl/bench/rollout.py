@@ -135,6 +135,9 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
+           # the SDPA length bucket the decoder used (rollout.decode_bucket, widened by decode_max_graphs for
+           # long contexts) and the CUDA graphs it captured
+           "decode_bucket": getattr(dec, "bucket", None), "graphs": len(getattr(dec, "graphs", {})),
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
            "kv_GB_read_per_step_mean": batch * mean_len * kv_per_tok / 1e9,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -178,7 +181,7 @@ def main(argv=None) -> list[dict]:
         shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
     cols = ["mode", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
-            "capture_s_first_rollout", "peak_GiB", "small_m_max"]
+            "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
              if all(c in r for r in rows)]
     print_table(shown, cols)
