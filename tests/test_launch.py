@@ -252,3 +252,48 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()
     left = subprocess.run(["pgrep", "-f", f"serve --model-path {run}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""  # the servers were stopped with the job
+
+
+def test_a_server_that_dies_before_ready_stops_the_job(tmp_path):
+    """`jetrl launch` runs the trainer beside this node's servers: a server exiting with an error before its
+    log says it is ready ends the job at once with that code (the trainer stopped), instead of the trainer
+    waiting out rollout.health_timeout_s; one that fails after it was ready is left to the fleet; the trainer's
+    own exit code comes through."""
+    import time
+
+    from megatron_jetrl.launch import run_beside_servers
+
+    def server(code, text, delay=0.0):
+        log = tmp_path / f"s{len(list(tmp_path.iterdir()))}.log"
+        log.write_text(text)
+        return subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep({delay}); sys.exit({code})"]), str(log)
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    p, log = server(3, "loading the model\n")
+    t0 = time.monotonic()
+    assert run_beside_servers(sleeper, [p], [log], poll_s=0.2) == 3
+    assert time.monotonic() - t0 < 30
+    p, log = server(1, "jetrl serve: ready on http://0.0.0.0:1 (qwen3)\n")  # failed after it was ready
+    ok, okl = server(0, "")  # a clean exit is not a failure
+    assert run_beside_servers([sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.exit(5)"],
+                              [p, ok], [log, okl], poll_s=0.2) == 5
+
+
+def test_single_process_init_takes_no_preselected_port(tmp_path):
+    """A single-process world (a `jetrl serve` worker, a CPU run) binds its store's port itself: two workers of
+    one launch starting together raced for a port picked by free_port() and bound later, and one died with
+    EADDRINUSE. Here free_port() returns a port another socket holds, which that rendezvous failed on."""
+    code = """
+import socket
+import megatron_jetrl.distributed as d
+from megatron_jetrl.config import ParallelConfig
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+d.free_port = lambda: s.getsockname()[1]
+d.init_distributed(ParallelConfig())
+import torch, torch.distributed as dist
+t = torch.ones(3); dist.all_reduce(t)
+print("ok", dist.get_world_size(), t.tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok 1 [1.0, 1.0, 1.0]"), out.stderr[-3000:]

@@ -242,6 +242,51 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
     return out
 
 
+READY_MARKERS = ("jetrl serve: ready", "ready to roll")  # `jetrl serve`'s and SGLang's ready lines
+
+
+def _said_ready(log_path: str) -> bool:
+    try:
+        with open(log_path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    return any(m in text for m in READY_MARKERS)
+
+
+def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: list[str], poll_s: float = 1.0) -> int:
+    """Run ``cmd`` (the trainer) while this node's rollout servers run in the background. A server that exits
+    with an error before its log says it is ready stops the job at once, its log named, instead of leaving
+    the trainer waiting ``rollout.health_timeout_s`` for a server that will never answer. A server that
+    fails after it was ready is left to the fleet (it retries that server's prompts elsewhere)."""
+    trainer = subprocess.Popen(cmd)
+    done: set[int] = set()
+    try:
+        while True:
+            try:
+                return trainer.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            for i, (p, log) in enumerate(zip(servers, logs)):
+                rc = p.poll()
+                if i in done or rc is None:
+                    continue
+                done.add(i)
+                if rc != 0 and not _said_ready(log):
+                    print(f"launch: rollout server {i} exited with code {rc} before it was ready; its log: {log}",
+                          file=sys.stderr)
+                    trainer.terminate()
+                    try:
+                        trainer.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        trainer.kill()
+                    return rc
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
 def main(argv=None) -> int:
     from megatron_jetrl.config import ConfigError, load_config, save_config
     from megatron_jetrl.rollout.sglang import server_env
@@ -303,16 +348,17 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(run_dir, exist_ok=True)
     save_config(resolved, config_path)
-    procs, rc = [], 0
+    procs, logs, rc = [], [], 0
     mine = cmds[cluster.node_rank]
     try:
         for c in mine:
             if c[0] == "bash":  # a server: in the background
-                log = open(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"), "ab")
-                procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                              start_new_session=True))
+                logs.append(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"))
+                with open(logs[-1], "ab") as log:
+                    procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                                  start_new_session=True))
             else:
-                rc = subprocess.run(c).returncode
+                rc = run_beside_servers(c, procs, logs)
                 if rc:
                     break
         if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until stopped
