@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from megatron_jetrl.config import RolloutConfig
 from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant, triton_rmsnorm_enabled
 from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
 
@@ -87,10 +88,11 @@ def wide_bucket(bucket: int, max_len: int, max_graphs: int) -> int:
 class StaticDecoder:
     """Prefill + graph-captured decode steps for a batch of ``batch`` rows up to ``max_len`` tokens."""
 
-    def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None, bucket: int = 64,
+    def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None,
+                 bucket: int = RolloutConfig.decode_bucket,
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
                  prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None,
-                 max_graphs: int = 32):
+                 max_graphs: int = RolloutConfig.decode_max_graphs):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention

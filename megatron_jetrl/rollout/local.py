@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from megatron_jetrl.config import RolloutConfig
 from megatron_jetrl.rollout.base import Generation, SamplingParams, fused_sampling, sample_next
 from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
@@ -24,8 +25,9 @@ ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many ro
 
 class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
-                 model_cfg=None, decode: str = "static", cuda_graphs: bool = True, bucket: int = 64,
-                 keep_cache: bool = True, attention: str = "sdpa", max_graphs: int = 32):
+                 model_cfg=None, decode: str = "static", cuda_graphs: bool = True,
+                 bucket: int = RolloutConfig.decode_bucket, keep_cache: bool = True, attention: str = "sdpa",
+                 max_graphs: int = RolloutConfig.decode_max_graphs):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
