@@ -189,6 +189,14 @@ class PrecisionConfig:
     (``precision/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the crossover
     measured on the H200 (docs/benchmarks.md); ``jetrl bench linear --decode`` prints it for
     your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
+    decode_gemm: Literal["tune", "cublas"] = "tune"
+    """Static-decoder forwards above ``small_m_max`` rows (e.g. a 256-row rollout batch): ``tune`` times
+    cuBLAS's block-FP8 GEMM against DeepGEMM's (``precision/deepgemm.py``; built with
+    ``tools/build_deepgemm_sm90.py``, found through ``JETRL_DEEPGEMM_DIR``) per weight shape, over all layers'
+    weights, before the decoder's first CUDA-graph capture, and runs each shape on the faster; ``cublas``
+    always cuBLAS. Without DeepGEMM (unset directory, not an sm_90 GPU) ``tune`` is ``cublas``. Same FP8 bytes
+    and scales either way; the two kernels round the fp32 accumulator to BF16 after summing in different
+    orders (docs/benchmarks.md: their effect on the train-rollout mismatch)."""
     fuse_swiglu: bool = True
     """Gated MLPs, every mode: FP8 fc2 runs the SwiGLU inside its activation quantizer (one pass over
     fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a

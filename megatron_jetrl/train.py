@@ -118,6 +118,7 @@ def setup(cfg: JetConfig) -> Run:
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)
     fp8_state.small_m_max = cfg.precision.small_m_max
+    fp8_state.decode_gemm = cfg.precision.decode_gemm
     fp8_state.fuse_swiglu = cfg.precision.fuse_swiglu
     fp8_state.fuse_wgrad_accumulation = cfg.precision.fuse_wgrad_accumulation
     fp8_state.release_bf16_weights = cfg.precision.release_bf16_weights

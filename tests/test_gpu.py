@@ -825,3 +825,103 @@ def test_jet_trainer_pads_micro_batches_on_gpu(tmp_path, megatron_single):
     assert abs(m1["pg_loss"] - m0["pg_loss"]) < 1e-2 * max(1.0, abs(m0["pg_loss"]))
     for n, ref in g0.items():
         assert ref.norm() > 0 and ((g1[n] - ref).norm() / ref.norm()).item() < 5e-2, n
+
+
+def _deepgemm_or_skip():
+    from megatron_jetrl.precision import deepgemm
+
+    ok, why = deepgemm.available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"DeepGEMM not available: {why}")
+    return deepgemm
+
+
+@pytest.fixture
+def kernel_table():
+    """Leaves gemm's per-shape kernel table as it found it."""
+    from megatron_jetrl.precision import gemm
+
+    saved = dict(gemm._KERNELS)
+    yield gemm
+    gemm._KERNELS.clear()
+    gemm._KERNELS.update(saved)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (7, 256, 512), (77, 1024, 256), (256, 4096, 14336),
+                                   (300, 14336, 4096)])
+def test_deepgemm_matches_dequantized_reference(M, N, K, kernel_table):
+    """DeepGEMM's kernel on the FP8 linear's operands gives the dequantized fp32 product to BF16 rounding and
+    agrees with cuBLAS's as closely; through ``block_gemm`` (the per-shape table) both the forward form and the
+    dgrad form (``b`` a transposed view, made K-major first) run it; a CUDA-graph replay equals the eager call."""
+    dg = _deepgemm_or_skip()
+    recipe = FP8Recipe()
+    xq, xs = quantize_act(_x((M, K)), recipe, scale_col_major=True)
+    qw, sw = quantize_weight(_x((N, K), seed=1) * 0.02, recipe)
+    ref = block_gemm(xq, xs, qw, sw, "emulated", torch.float32)
+    out = dg.gemm(xq, xs, qw, sw)
+    cub = block_gemm(xq, xs, qw, sw, "scaled_mm")
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert rel(out, ref) < 4e-3 and rel(out, cub) < 6e-3
+    kernel_table.set_kernel(M, N, K, "deepgemm")
+    assert torch.equal(block_gemm(xq, xs, qw, sw, "scaled_mm"), out)
+    # dgrad form: b = W^T as a view of a [K, N] weight's FP8 blocks
+    wt_q, wt_s = quantize_weight(_x((K, N), seed=2) * 0.02, recipe)
+    kernel_table.set_kernel(M, N, K, "cublas")
+    d_cub = block_gemm(xq, xs, wt_q.t(), wt_s.t(), "scaled_mm")
+    kernel_table.set_kernel(M, N, K, "deepgemm")
+    d_dg = block_gemm(xq, xs, wt_q.t(), wt_s.t(), "scaled_mm")
+    assert rel(d_dg, d_cub) < 6e-3
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        y = block_gemm(xq, xs, qw, sw, "scaled_mm")
+    torch.cuda.current_stream().wait_stream(s)
+    x2q, x2s = quantize_act(_x((M, K), seed=3), recipe, scale_col_major=True)
+    xq.copy_(x2q)
+    xs.copy_(x2s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, dg.gemm(xq, xs, qw, sw))
+
+
+def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_table, monkeypatch):
+    """The static decoder above ``small_m_max`` rows times cuBLAS against DeepGEMM for each FP8 weight shape
+    before its first capture and records both; with DeepGEMM forced on every shape its graph replays draw the
+    tokens and logprobs of the same decoder run eagerly (which calls DeepGEMM: counted)."""
+    dg = _deepgemm_or_skip()
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("qwen3", str(tmp_path))
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"], backend="auto")
+    model = model.bfloat16()
+    state.bump()
+    state.small_m_max = 0  # every decode GEMM on the cuBLAS path, where the table applies
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (40,), generator=g)]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    eng = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16)
+    eng.generate(prompts, params)
+    tuning = eng._decoder.gemm_tuning
+    shapes = {tuple(m.fp8_weight()[0].shape) for m in model.modules() if getattr(m, "fp8_cache", None) is not None}
+    # the tiny model's four linears have two weight shapes (QKV and fc1: 1024 x 256; o and fc2: 256 x 512)
+    assert {tuple(int(v) for v in k.split("x")[1:]) for k in tuning} == shapes and len(shapes) == 2
+    for k, v in tuning.items():
+        assert v["cublas_us"] > 0 and v["deepgemm_us"] > 0 and kernel_table.kernel_for(*map(int, k.split("x"))) == v["kernel"]
+    rows = eng._decoder.B
+    state.decode_gemm = "cublas"  # the forced table below stays as set
+    for n, k in shapes:
+        kernel_table.set_kernel(rows, n, k, "deepgemm")
+    calls = []
+    real = dg.gemm
+    monkeypatch.setattr(dg, "gemm", lambda *a: calls.append(1) or real(*a))
+    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
+               for gr in (False, True)}
+    outs = {gr: engines[gr].generate(prompts, params) for gr in engines}
+    assert engines[True]._decoder.B == rows and engines[True]._decoder.gemm_tuning == {} and calls
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs

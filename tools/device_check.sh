@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
 # outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
-# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part
+# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; .dg carried), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
 # (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
+# DeepGEMM's kernels (tools/build_deepgemm_sm90.py --out .dg, carried): precision.decode_gemm=tune can pick them
+[ -f .dg/libjetrl_deepgemm_sm90.so ] && export JETRL_DEEPGEMM_DIR=$PWD/.dg
 want() { [ $# -eq 0 ] || [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
 PARTS="$*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
@@ -36,6 +38,9 @@ if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one
       --modes ${RO_MODES:-bf16,jet} --new-tokens 1024 --prompt-len 128 --profile ${RO_PROFILE:-5} \
       --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${tag}.txt
   done
+fi
+if want deepgemm; then  # DeepGEMM's GEMM alone vs cuBLAS's vs BF16 (DG_ARGS), training and decode shapes
+  timeout ${DG_TIMEOUT:-300} python3 tools/deepgemm_bench.py ${DG_ARGS} --json $OUT/deepgemm.json 2>&1 | grep -v "^{" | tee $OUT/deepgemm.txt
 fi
 if want decattn; then  # decode attention alone: SDPA over the bucket vs the exact-length Triton kernel's plans
   timeout ${DA_TIMEOUT:-150} python3 tools/attn_decode_bench.py ${DA_ARGS} --json $OUT/attn_decode.json 2>&1 | grep -v -i warn | tee $OUT/attn_decode.txt

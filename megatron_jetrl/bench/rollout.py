@@ -86,6 +86,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision),
                                DTYPES[cfg.precision.params_dtype], cfg.precision.backend)
     state.small_m_max = cfg.precision.small_m_max
+    state.decode_gemm = cfg.precision.decode_gemm
     r = cfg.rollout
     engine = LocalEngine(model, state, pad_id=0, seed=cfg.seed, vocab_size=cfg.model.vocab_size, decode=r.decode,
                          cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=True,
@@ -141,7 +142,12 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
            "kv_GB_read_per_step_mean": batch * mean_len * kv_per_tok / 1e9,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-           "small_m_max": state.small_m_max, "sample_tokens": sum(len(x.output_ids) for x in gens)}
+           "small_m_max": state.small_m_max,
+           # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
+           "gemm_tuning": dict(getattr(dec, "gemm_tuning", {}) or {}),
+           "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in (getattr(dec, "gemm_tuning", {}) or {}).items()
+                                       if v["kernel"] == "deepgemm") or "-",
+           "sample_tokens": sum(len(x.output_ids) for x in gens)}
     for k, v in kernels.items():
         out[k if k.startswith(("kernel_ms", "graph_step", "prefill_kernel")) else k.replace("top", "top_kernels")] = v
     del engine, model, dec
@@ -181,7 +187,7 @@ def main(argv=None) -> list[dict]:
         shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
     cols = ["mode", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
-            "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max"]
+            "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
              if all(c in r for r in rows)]
     print_table(shown, cols)

@@ -12,7 +12,8 @@ torch's blockwise ``scaled_mm`` rejects 1x128 x 1x128, which is why wgrad re-blo
 
 Backends:
 - ``scaled_mm``: ``torch.nn.functional.scaled_mm`` BlockWise1x128 x BlockWise128x128 (cuBLAS,
-  Hopper and newer, CUDA).
+  Hopper and newer, CUDA). Shapes listed by :func:`set_kernel` (the static decoder's tuning:
+  :func:`tune_kernels`) run DeepGEMM's kernel instead (``precision/deepgemm.py``; same operands).
 - ``emulated``: any device; the same fp8 values and scales, dequantized and multiplied in
   float32. The reference for the other backend.
 """
@@ -109,11 +110,90 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+_KERNELS: dict[tuple[int, int, int], str] = {}
+"""(M, N, K) -> the kernel the ``scaled_mm`` backend runs for that GEMM when it is not cuBLAS's (``deepgemm``)."""
+
+
+def set_kernel(M: int, N: int, K: int, kernel: str) -> None:
+    """Run the ``scaled_mm`` backend's (M, N, K) GEMMs on ``kernel``: ``cublas`` (the default) or ``deepgemm``."""
+    if kernel not in ("cublas", "deepgemm"):
+        raise ValueError(f"FP8 GEMM kernel {kernel!r}: use cublas or deepgemm")
+    if kernel == "cublas":
+        _KERNELS.pop((M, N, K), None)
+    else:
+        _KERNELS[(M, N, K)] = kernel
+
+
+def kernel_for(M: int, N: int, K: int) -> str:
+    return _KERNELS.get((M, N, K), "cublas")
+
+
+def _graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one ``fn()`` replayed from a CUDA graph (warmed up eagerly on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]],
+                 min_gain: float = 0.03) -> dict[str, dict]:
+    """Per FP8 weight shape (N, K), time cuBLAS's and DeepGEMM's GEMM on ``M`` rows, each over all of
+    ``weights[(N, K)]`` (a model's layers: the weights stream from HBM as in a decode step) in one CUDA graph,
+    and run the shape on DeepGEMM from now on when it is more than ``min_gain`` faster (:func:`set_kernel`).
+    Nothing changes where DeepGEMM is not built or does not take the shape. Returns ``{"MxNxK": {"cublas_us",
+    "deepgemm_us", "kernel"}}`` per shape timed (microseconds per weight)."""
+    from megatron_jetrl.precision import deepgemm
+
+    out: dict[str, dict] = {}
+    if not weights or not deepgemm.available(next(iter(weights.values()))[0][0].device)[0]:
+        return out
+    for (N, K), ws in weights.items():
+        dev = ws[0][0].device
+        xq = (torch.randn(M, K, device=dev) * 100).to(torch.float8_e4m3fn)
+        xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it
+        if K % 128 or not deepgemm.takes(xq, ws[0][0], torch.bfloat16):
+            continue
+        run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
+        set_kernel(M, N, K, "cublas")
+        t_cublas = _graph_us(run) / len(ws)
+        set_kernel(M, N, K, "deepgemm")
+        deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile: before any capture
+        t_dg = _graph_us(run) / len(ws)
+        kernel = "deepgemm" if t_dg < (1 - min_gain) * t_cublas else "cublas"
+        set_kernel(M, N, K, kernel)
+        out[f"{M}x{N}x{K}"] = {"cublas_us": round(t_cublas, 2), "deepgemm_us": round(t_dg, 2), "kernel": kernel}
+    return out
+
+
 def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
     from torch.nn.functional import ScalingType, scaled_mm
 
     M, Kc = a.shape
     N = b.shape[0]
+    if _KERNELS and _KERNELS.get((M, N, Kc)) == "deepgemm":
+        from megatron_jetrl.precision import deepgemm
+
+        if b.stride(1) != 1:
+            b = _k_major(b)
+        if deepgemm.takes(a, b, out_dtype, group):
+            return deepgemm.gemm(a, a_s, b, b_s)
     # cuBLAS (seen on the H200, torch 2.11): Kc a multiple of contraction_multiple(group), M and N
     # multiples of 16 (M=1 and M=77 fail with CUBLAS_STATUS_NOT_SUPPORTED). Zero-pad otherwise: zero
     # elements add nothing; padded groups get scale 1.

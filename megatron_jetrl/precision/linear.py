@@ -51,6 +51,9 @@ class FP8ModelState:
         # Inference forwards with at most this many tokens use the fused small-M Triton GEMM
         # (precision.small_m_max; 0 = off).
         self.small_m_max = 64
+        # inference forwards above small_m_max rows: "tune" lets the static decoder pick cuBLAS's or DeepGEMM's
+        # block-FP8 GEMM per weight shape (precision.decode_gemm; gemm.tune_kernels), "cublas" keeps cuBLAS's
+        self.decode_gemm = "tune"
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
         # the gated MLP hands fc2 the pre-activation and SwiGLU runs inside the FP8 activation

@@ -157,6 +157,9 @@ class StaticDecoder:
         self.pool = None
         self.fp = None
         self.capture_s = 0.0
+        # the FP8 GEMM kernel per linear shape at this batch (precision.decode_gemm=tune; _tune_gemms)
+        self.gemm_tuning: dict[str, dict] = {}
+        self._gemm_tuned = False
         self._host_pos = 0  # the host's copy of ``pos`` (picks the bucket without a sync)
         self.prefill_score_bytes, self.prefill_tokens = prefill_score_bytes, prefill_tokens
 
@@ -367,11 +370,38 @@ class StaticDecoder:
         self._host_pos += 1
         return out
 
+    def _tune_gemms(self) -> None:
+        """Before the first capture: where the decode step's FP8 linears run cuBLAS's block-FP8 GEMM (more than
+        ``precision.small_m_max`` rows, e.g. batch 256), time DeepGEMM's kernel against it per weight shape over
+        all layers' weights and keep the faster (``gemm.tune_kernels``; ``precision.decode_gemm=tune``, DeepGEMM
+        built: ``JETRL_DEEPGEMM_DIR``). On the H200 at 256 rows DeepGEMM took the 8B attention output projection
+        and fc2, cuBLAS kept QKV and fc1 (docs/benchmarks.md)."""
+        from megatron_jetrl.precision.gemm import tune_kernels
+        from megatron_jetrl.precision.linear import FP8LinearMixin
+
+        self._gemm_tuned = True
+        weights, state = {}, None
+        for layer in self.layers:
+            for m in layer.modules():
+                if isinstance(m, FP8LinearMixin) and m.fp8_active() and m.fp8_backend == "scaled_mm":
+                    state = m.fp8_state
+                    q, sc = m.fp8_weight()
+                    weights.setdefault(tuple(q.shape), []).append((q, sc))
+        if state is None or getattr(state, "decode_gemm", "tune") != "tune" or self.B <= state.small_m_max:
+            return
+        t0 = time.perf_counter()
+        self.gemm_tuning = tune_kernels(self.B, weights)
+        if self.gemm_tuning:
+            log.info("rollout decode: FP8 GEMM kernel per shape at batch %d (%.2f s): %s", self.B,
+                     time.perf_counter() - t0, self.gemm_tuning)
+
     def _capture(self, Lb: int) -> None:
         """Warm up on a side stream (Triton/cuBLAS initialization), then capture one decode step.
         The warm-up writes the KV column and mask bit at the current position with the current ids:
         exactly what the replay that follows writes, so nothing needs restoring."""
         t0 = time.perf_counter()
+        if not self._gemm_tuned:
+            self._tune_gemms()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
