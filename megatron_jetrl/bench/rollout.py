@@ -171,7 +171,7 @@ def main(argv=None) -> list[dict]:
                     help="also print the kernel time per decode step by kernel, over STEPS steps (CPU ops off CUDA)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
     rows = []
     for batch in map(int, args.batch.split(",")):
         for mode in args.modes.split(","):

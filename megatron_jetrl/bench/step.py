@@ -108,7 +108,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--plot", help="write the phase-time PNG here")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
     rows = [run_mode(_preset_path(args.preset), m, args.overrides, args.steps, args.warmup) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

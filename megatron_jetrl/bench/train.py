@@ -202,7 +202,7 @@ def main(argv=None) -> list[dict]:
                          "per mode (profiler with Python stacks; backward copies by autograd node)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
     if not torch.cuda.is_available():
         raise SystemExit("jetrl bench train needs a CUDA GPU")
     rows = []

@@ -173,8 +173,14 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
         run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
         set_kernel(M, N, K, "cublas")
         t_cublas = _graph_us(run) / len(ws)
+        try:
+            deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile (nvcc): before any capture
+        except RuntimeError as e:  # e.g. no nvcc for a shape built on no machine ahead of time: keep cuBLAS
+            import logging
+
+            logging.getLogger(__name__).warning("DeepGEMM %dx%dx%d unavailable, cuBLAS kept: %s", M, N, K, e)
+            continue
         set_kernel(M, N, K, "deepgemm")
-        deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile: before any capture
         t_dg = _graph_us(run) / len(ws)
         kernel = "deepgemm" if t_dg < (1 - min_gain) * t_cublas else "cublas"
         set_kernel(M, N, K, kernel)

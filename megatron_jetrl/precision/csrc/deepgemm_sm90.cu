@@ -41,6 +41,9 @@ int jetrl_dg_set_include_dir(const char* dir) {
   } catch (const std::exception& e) {
     last_error = e.what();
     return 1;
+  } catch (...) {
+    last_error = "unknown C++ exception";
+    return 1;
   }
 }
 
@@ -60,6 +63,9 @@ int jetrl_dg_gemm(const void* a, int lda, const void* b, int ldb, void* d, int l
     return 0;
   } catch (const std::exception& e) {
     last_error = e.what();
+    return 1;
+  } catch (...) {
+    last_error = "unknown C++ exception";
     return 1;
   }
 }
@@ -89,6 +95,9 @@ int jetrl_dg_kernel_plan(int m, int n, int k, int num_sms, char* name, int name_
     return static_cast<int>(std::max(s.size(), c.size()) + 1);
   } catch (const std::exception& e) {
     last_error = e.what();
+    return -1;
+  } catch (...) {
+    last_error = "unknown C++ exception";
     return -1;
   }
 }
