@@ -38,8 +38,18 @@ COPY . /opt/megatron_jetrl
 RUN pip install --no-cache-dir -c /opt/ngc-constraints.txt "/opt/megatron_jetrl[hf,data]" \
  && python -c "import torch, megatron.core, sglang, transformer_engine, megatron_jetrl; print('image ok: torch', torch.__version__)"
 
+# DeepGEMM's block-FP8 GEMM for the rollout decoder's 256-row linears (precision.decode_gemm=tune), built from the
+# FlashInfer sglang installed, its 8B/70B kernels compiled now; new shapes compile into the same directory on first
+# use (hence owned by the run user). A FlashInfer without those sources leaves the decoder on cuBLAS.
+ENV JETRL_DEEPGEMM_DIR=/opt/jetrl-deepgemm
+RUN FI="$(python -c 'import flashinfer, os; print(os.path.dirname(flashinfer.__file__))')" \
+ && { python /opt/megatron_jetrl/tools/build_deepgemm_sm90.py --flashinfer "$FI" --out "$JETRL_DEEPGEMM_DIR" \
+        --precompile-preset llama3.1-8b --precompile-preset llama3.1-70b \
+      || echo "DeepGEMM not built from $FI: the rollout decoder keeps cuBLAS's GEMM"; }
+
 # uid 1000 is NGC's ubuntu user on recent images; take a fixed one above it.
-RUN useradd --create-home --shell /bin/bash --uid 10001 jetrl
+RUN useradd --create-home --shell /bin/bash --uid 10001 jetrl \
+ && mkdir -p "$JETRL_DEEPGEMM_DIR" && chown -R 10001 "$JETRL_DEEPGEMM_DIR"
 USER 10001
 WORKDIR /home/jetrl
 

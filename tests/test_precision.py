@@ -1276,3 +1276,9 @@ def test_deepgemm_build_plans_every_gemm_of_a_preset():
         mod.preset_shapes(["llama9"])
     with pytest.raises(SystemExit, match="--precompile: 'x' is not M:N:K"):
         mod.main(["--skip-library", "--out", "/nonexistent", "--precompile", "x", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--skip-library: no /nonexistent/libjetrl_deepgemm_sm90.so"):
+        mod.main(["--skip-library", "--out", "/nonexistent", "--precompile", "1:128:128", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--flashinfer: required"):
+        mod.main(["--out", "/nonexistent", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--nvcc: no-such-nvcc not found"):
+        mod.main(["--out", "/nonexistent", "--nvcc", "no-such-nvcc"])

@@ -168,13 +168,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if shutil.which(a.nvcc) is None:
         sys.exit(f"--nvcc: {a.nvcc} not found; install the CUDA toolkit (>= 12.8) or pass --nvcc PATH")
-    lib = a.out / LIB_NAME
-    t0 = time.time()
-    if not a.skip_library:
-        if a.flashinfer is None:
-            sys.exit("--flashinfer: required to build the library (a flashinfer-python wheel or package dir)")
-        build_library(a, lib)
-        print(f"built {lib} ({lib.stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f} s", flush=True)
     shapes = preset_shapes(a.precompile_preset) if a.precompile_preset else []
     for item in filter(None, a.precompile.split(",")):
         try:
@@ -182,6 +175,19 @@ def main(argv=None) -> int:
         except ValueError:
             sys.exit(f"--precompile: {item!r} is not M:N:K")
         shapes.append((m, n, k))
+    lib = a.out / LIB_NAME
+    t0 = time.time()
+    if a.skip_library and not lib.is_file():
+        sys.exit(f"--skip-library: no {lib}; build it first (without --skip-library)")
+    if not a.skip_library:
+        if a.flashinfer is None:
+            sys.exit("--flashinfer: required to build the library (a flashinfer-python wheel or package dir)")
+        build_library(a, lib)
+        print(f"built {lib} ({lib.stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f} s", flush=True)
+    # the JIT's scratch and cache directories exist up front: a DIR made read-only after the build still serves
+    # the kernels built ahead of time (the library creates both on first use)
+    for sub in ("tmp", "cache"):
+        (a.out / sub).mkdir(parents=True, exist_ok=True)
     if shapes:
         t1 = time.time()
         built = precompile(lib, shapes, a.nvcc, a.jobs, a.num_sms)

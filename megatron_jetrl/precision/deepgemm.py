@@ -9,7 +9,10 @@ tvm-ffi. Each (N, K, tile plan) is JIT-compiled with NVRTC on its first call (~1
 shape up before capturing it in a CUDA graph.
 
 ``JETRL_DEEPGEMM_DIR`` names the build's output directory; without it nothing here loads and the FP8 linear
-uses cuBLAS.
+uses cuBLAS. Kernels built ahead of time (``--precompile-preset``) are read from ``DIR/cache``; others are compiled
+there with nvcc on first use, so ``DIR`` must be writable for them (``TRTLLM_DG_CACHE_DIR`` moves the cache, and
+then the ahead-of-time kernels with it). A shape that cannot be built leaves that shape on cuBLAS
+(``gemm.tune_kernels``).
 """
 from __future__ import annotations
 
