@@ -26,6 +26,19 @@ fbg::CutlassFp8BlockScaleGemmRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16>
   static fbg::CutlassFp8BlockScaleGemmRunner<__nv_fp8_e4m3, __nv_fp8_e4m3, __nv_bfloat16> r;
   return r;
 }
+
+// Runs `body` (returning the entry point's result); a C++ exception becomes `failed` and last_error.
+template <typename Body>
+int guarded(int failed, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return failed;
+}
 }  // namespace
 
 extern "C" {
@@ -35,16 +48,10 @@ const char* jetrl_dg_last_error() { return last_error.c_str(); }
 // The directory holding deep_gemm/*.cuh (…/nv_internal/tensorrt_llm): without it the runner falls back to
 // TensorRT-LLM's precompiled (non-DeepGEMM) Hopper kernel.
 int jetrl_dg_set_include_dir(const char* dir) {
-  try {
+  return guarded(1, [&] {
     deep_gemm::jit::Compiler::setIncludeDirs({std::filesystem::path(dir)});
     return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return 1;
-  } catch (...) {
-    last_error = "unknown C++ exception";
-    return 1;
-  }
+  });
 }
 
 // d[m, n] (bf16, leading dim ldd) = (a * sa) @ (b * sb)^T with a [m, k] fp8 e4m3 row-major (lda), its
@@ -52,7 +59,7 @@ int jetrl_dg_set_include_dir(const char* dir) {
 // fp32 [ceil(n/128)][k/128] row-major (128x128 blocks). Enqueued on `stream`, no host sync.
 int jetrl_dg_gemm(const void* a, int lda, const void* b, int ldb, void* d, int ldd, int m, int n, int k,
                   const float* sa, const float* sb, void* stream) {
-  try {
+  return guarded(1, [&] {
     runner().gemm(static_cast<const __nv_fp8_e4m3*>(a), lda, static_cast<const __nv_fp8_e4m3*>(b), ldb,
                   static_cast<__nv_bfloat16*>(d), ldd, m, n, k, sa, sb, static_cast<cudaStream_t>(stream));
     cudaError_t err = cudaPeekAtLastError();
@@ -61,13 +68,7 @@ int jetrl_dg_gemm(const void* a, int lda, const void* b, int ldb, void* d, int l
       return 2;
     }
     return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return 1;
-  } catch (...) {
-    last_error = "unknown C++ exception";
-    return 1;
-  }
+  });
 }
 
 // The kernel the GEMM above would JIT-compile for (m, n, k) on a GPU with `num_sms` SMs, without a GPU: its cache
@@ -75,7 +76,7 @@ int jetrl_dg_gemm(const void* a, int lda, const void* b, int ldb, void* d, int l
 // tools/build_deepgemm_sm90.py --precompile can build the cubins ahead of time. Mirrors gemm_dispatch's choice
 // (swapped operands below 32 rows) and Compiler::build's naming; returns the bytes needed (truncates at `cap`).
 int jetrl_dg_kernel_plan(int m, int n, int k, int num_sms, char* name, int name_cap, char* code, int code_cap) {
-  try {
+  return guarded(-1, [&] {
     bool swap = m < 32;
     auto cfg = swap ? deep_gemm::jit::get_best_gemm_config(n, m, k, 1, num_sms, false, true)
                     : deep_gemm::jit::get_best_gemm_config(m, n, k, 1, num_sms);
@@ -93,13 +94,7 @@ int jetrl_dg_kernel_plan(int m, int n, int k, int num_sms, char* name, int name_
     snprintf(name, name_cap, "%s", s.c_str());
     snprintf(code, code_cap, "%s", c.c_str());
     return static_cast<int>(std::max(s.size(), c.size()) + 1);
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return -1;
-  } catch (...) {
-    last_error = "unknown C++ exception";
-    return -1;
-  }
+  });
 }
 
 }  // extern "C"
