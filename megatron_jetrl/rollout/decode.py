@@ -374,8 +374,8 @@ class StaticDecoder:
         """Before the first capture: where the decode step's FP8 linears run cuBLAS's block-FP8 GEMM (more than
         ``precision.small_m_max`` rows, e.g. batch 256), time DeepGEMM's kernel against it per weight shape over
         all layers' weights and keep the faster (``gemm.tune_kernels``; ``precision.decode_gemm=tune``, DeepGEMM
-        built: ``JETRL_DEEPGEMM_DIR``). On the H200 at 256 rows DeepGEMM took the 8B attention output projection
-        and fc2, cuBLAS kept QKV and fc1 (docs/benchmarks.md)."""
+        built: ``JETRL_DEEPGEMM_DIR``). On the H200 at 256 rows DeepGEMM took the 8B QKV, attention output projection
+        and fc2, cuBLAS kept fc1 (docs/benchmarks.md)."""
         from megatron_jetrl.precision.gemm import tune_kernels
         from megatron_jetrl.precision.linear import FP8LinearMixin
 
