@@ -9,7 +9,7 @@ and the headers ``nvrtc.h`` and ``cublasLt.h`` (a full CUDA toolkit, or the pip 
 
     python3 tools/build_deepgemm_sm90.py --flashinfer WHEEL_OR_PACKAGE_DIR --out DIR [--cuda-headers WHEEL ...]
 
-``DIR`` gets the library and ``include/deep_gemm/*.cuh``, which the library JIT-compiles with NVRTC at run time
+``DIR`` gets the library and ``include/deep_gemm/*.cuh``, which the library JIT-compiles with nvcc at run time
 (one kernel per (N, K, tile plan), cached under ``$TRTLLM_DG_CACHE_DIR``, default ``~/.tensorrt_llm``). Point
 ``JETRL_DEEPGEMM_DIR`` at ``DIR`` to use it.
 """
@@ -217,8 +217,8 @@ def build_library(a, lib: Path) -> None:
                     sys.stderr.write(r.stdout + r.stderr)
                     sys.exit(f"build failed: {' '.join(cmd[-3:])}")
         a.out.mkdir(parents=True, exist_ok=True)
-        # libcuda and libnvrtc stay unlinked: the loader (precision/deepgemm.py) loads the process's own
-        # copies globally first, so the library works wherever torch's CUDA does
+        # libcuda stays unlinked: the loader (precision/deepgemm.py) loads the process's own copy globally
+        # first, so the library works wherever torch's CUDA does (its JIT calls nvcc, not libnvrtc)
         r = subprocess.run([a.nvcc, "-shared", "-gencode=arch=compute_90a,code=sm_90a", *map(str, objs),
                             "-lcudart", "-o", str(lib) + ".tmp"], capture_output=True, text=True)
         if r.returncode:

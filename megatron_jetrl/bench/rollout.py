@@ -126,6 +126,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
             kernels["prefill_kernel_ms"] = pre["ms_per_call"]
         else:
             kernels = {}
+    tuning = dict(getattr(dec, "gemm_tuning", {}))
     layers = cfg.model.num_layers
     kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * (2 if cfg.precision.params_dtype == "bf16" else 4)
     mean_len = prompt_len + steps / 2
@@ -144,9 +145,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "small_m_max": state.small_m_max,
            # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
-           "gemm_tuning": dict(getattr(dec, "gemm_tuning", {}) or {}),
-           "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in (getattr(dec, "gemm_tuning", {}) or {}).items()
-                                       if v["kernel"] == "deepgemm") or "-",
+           "gemm_tuning": tuning,
+           "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in tuning.items() if v["kernel"] == "deepgemm") or "-",
            "sample_tokens": sum(len(x.output_ids) for x in gens)}
     for k, v in kernels.items():
         out[k if k.startswith(("kernel_ms", "graph_step", "prefill_kernel")) else k.replace("top", "top_kernels")] = v

@@ -5,8 +5,9 @@ The same operands as :func:`megatron_jetrl.precision.gemm.block_gemm` (``a`` in 
 DeepGEMM's (fp32 promotion of the FP8 tensor-core partial sums every 128 of K, as cuBLAS's block-scaled kernels
 do), as TensorRT-LLM ships them and FlashInfer vendors them, built by ``tools/build_deepgemm_sm90.py`` into one
 library with a C entry point (``csrc/deepgemm_sm90.cu``) and loaded here with ctypes: no torch C++ ABI, no
-tvm-ffi. Each (N, K, tile plan) is JIT-compiled with NVRTC on its first call (~1 s; cached on disk), so warm a
-shape up before capturing it in a CUDA graph.
+tvm-ffi. Each (N, K, tile plan) not built ahead of time is JIT-compiled with nvcc on its first call (~1-2 s;
+TensorRT-LLM's copy has its NVRTC path compiled out; cached on disk), so warm a shape up before capturing it in a
+CUDA graph.
 
 ``JETRL_DEEPGEMM_DIR`` names the build's output directory; without it nothing here loads and the FP8 linear
 uses cuBLAS. Kernels built ahead of time (``--precompile-preset``) are read from ``DIR/cache``; others are compiled
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import os
 from pathlib import Path
 
@@ -33,8 +33,8 @@ class DeepGemmUnavailable(RuntimeError):
 
 
 def _preload_global(candidates: list[str], what: str) -> None:
-    """Load the first loadable of ``candidates`` with RTLD_GLOBAL: the library leaves libcuda and libnvrtc
-    unlinked so that it resolves them against the process's own copies."""
+    """Load the first loadable of ``candidates`` with RTLD_GLOBAL: the library leaves libcuda unlinked so that
+    it resolves it against the process's own copy."""
     errors = []
     for c in candidates:
         try:
@@ -43,22 +43,6 @@ def _preload_global(candidates: list[str], what: str) -> None:
         except OSError as e:
             errors.append(str(e))
     raise DeepGemmUnavailable(f"{what} not loadable ({'; '.join(errors[-2:]) or 'no candidate'})")
-
-
-def _nvrtc_candidates() -> list[str]:
-    out = []
-    try:
-        import nvidia  # the pip CUDA runtime wheels torch depends on
-
-        for root in getattr(nvidia, "__path__", []):
-            out += sorted(glob.glob(os.path.join(root, "cu1*", "lib", "libnvrtc.so.*")))
-            out += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so.*")))
-    except ImportError:
-        pass
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home:
-            out += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
-    return [p for p in out if "builtins" not in p and ".alt." not in p] + ["libnvrtc.so.13", "libnvrtc.so.12"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +56,6 @@ def _lib(directory: str) -> ctypes.CDLL:
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(d))
     torch.cuda.init()  # the process's libcudart and libcuda first
     _preload_global(["libcuda.so.1"], "libcuda.so.1")
-    _preload_global(_nvrtc_candidates(), "libnvrtc (install nvidia-cuda-nvrtc or the CUDA toolkit)")
     lib = ctypes.CDLL(str(lib_path))
     lib.jetrl_dg_last_error.restype = ctypes.c_char_p
     lib.jetrl_dg_set_include_dir.argtypes = [ctypes.c_char_p]

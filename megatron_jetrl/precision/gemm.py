@@ -20,10 +20,13 @@ Backends:
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from megatron_jetrl.precision.quant import dequantize_blocks
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("scaled_mm", "emulated")
 
@@ -168,7 +171,7 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
         dev = ws[0][0].device
         xq = (torch.randn(M, K, device=dev) * 100).to(torch.float8_e4m3fn)
         xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it
-        if K % 128 or not deepgemm.takes(xq, ws[0][0], torch.bfloat16):
+        if not deepgemm.takes(xq, ws[0][0], torch.bfloat16):
             continue
         run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
         set_kernel(M, N, K, "cublas")
@@ -176,9 +179,7 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
         try:
             deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile (nvcc): before any capture
         except RuntimeError as e:  # e.g. no nvcc for a shape built on no machine ahead of time: keep cuBLAS
-            import logging
-
-            logging.getLogger(__name__).warning("DeepGEMM %dx%dx%d unavailable, cuBLAS kept: %s", M, N, K, e)
+            log.warning("DeepGEMM %dx%dx%d unavailable, cuBLAS kept: %s", M, N, K, e)
             continue
         set_kernel(M, N, K, "deepgemm")
         t_dg = _graph_us(run) / len(ws)

@@ -1,6 +1,6 @@
 // A C-ABI entry point to the block-FP8 GEMM that TensorRT-LLM ships for Hopper and FlashInfer vendors
 // (flashinfer/data/csrc/nv_internal/tensorrt_llm: DeepGEMM's 1x128 x 128x128 kernels, JIT-compiled per
-// (N, K, tile plan) with NVRTC on first use). Built by tools/build_deepgemm_sm90.py against an installed or
+// (N, K, tile plan) with nvcc on first use: this copy's NVRTC path is compiled out). Built by tools/build_deepgemm_sm90.py against an installed or
 // unpacked flashinfer-python; loaded with ctypes by megatron_jetrl/precision/deepgemm.py, so it depends on
 // neither torch's C++ ABI nor tvm-ffi. Errors come back as a nonzero return and jetrl_dg_last_error().
 #include <cuda_bf16.h>
