@@ -34,6 +34,7 @@ def cmd_train(args) -> int:
     from megatron_jetrl.data.prompts import DataError
     from megatron_jetrl.distributed import destroy_distributed
     from megatron_jetrl.models.hf_io import CheckpointError
+    from megatron_jetrl.rollout.sglang import ServerError
     from megatron_jetrl.train import train
 
     try:
@@ -41,6 +42,9 @@ def cmd_train(args) -> int:
     except (ConfigError, CheckpointError, DataError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
+    except ServerError as e:  # the rollout fleet: a refused server, or one that stayed down
+        print(f"jetrl train: rollout server: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 3
     finally:  # process groups torn down before interpreter exit (a live gloo group can abort the exit)
         destroy_distributed()
     run_dir = cfg.logging.run_dir

@@ -510,6 +510,18 @@ class JetConfig:
         _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,
                "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
                "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
+        if self.rollout.engine == "sglang":
+            from megatron_jetrl.precision.recipe import FP8Recipe
+
+            _check(self.rollout.weight_transport != "tensor", "rollout.weight_transport",
+                   "tensor sends base64 safetensors buckets, which only jetrl serve reads; SGLang 0.5.23's "
+                   "/update_weights_from_tensor takes CUDA IPC handles (same host and GPU only)",
+                   "use rollout.weight_transport=distributed (or disk) with rollout.engine=sglang")
+            why = FP8Recipe.from_config(self.precision).sglang_tp_problem(
+                heads=m.num_attention_heads, kv_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                ffn=m.ffn_hidden_size, tp=self.rollout.server_tp)
+            _check(why is None, "rollout.server_tp", f"SGLang 0.5.23 refuses this model: {why}",
+                   "choose a server_tp it allows (jetrl launch picks one)")
         if self.precision.backend == "te":
             from megatron_jetrl.precision.recipe import FP8Recipe
             from megatron_jetrl.precision.te_backend import TEConfigError, check_te_numerics

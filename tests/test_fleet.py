@@ -61,8 +61,14 @@ def _st_payload(tensors):
     return base64.b64encode(save(tensors)).decode()
 
 
+def _sglang_linears(names) -> int:
+    """Linears as SGLang holds them (q/k/v fused to qkv_proj, gate/up to gate_up_proj)."""
+    return sum(1 for n in names if n.endswith(("q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight")))
+
+
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
+SEEDS = [7, 8, 9, 10]
 
 
 def test_serve_refuses_open_host_without_key(fp8_dir):
@@ -77,15 +83,25 @@ def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
     proc, client = _serve(fp8_dir, tmp_path / "s.log", "--admin-api-key", "k3y", "--max-body-mb", "4")
     try:
         url = client.url
-        before = client.generate(PROMPTS, PARAMS, seed=7)
+        before = client.generate(PROMPTS, PARAMS, SEEDS)
         assert [len(g.output_ids) for g in before] == [6] * 4 and client.get_weight_version() == "0"
         assert all(lp <= 0 for g in before for lp in g.output_logprobs)
-        assert client.generate(PROMPTS, PARAMS, seed=7)[2].output_ids == before[2].output_ids  # seeded
+        assert client.generate(PROMPTS, PARAMS, SEEDS)[2].output_ids == before[2].output_ids  # seeded
 
         # malformed requests: 4xx with one line, the server keeps serving
         assert _raw(url + "/generate", b"{not json")[0] == 400
-        status, body = _raw(url + "/generate", json.dumps({"input_ids": [1, 2], "bogus": 1}).encode())
-        assert status == 400 and body["error"]["message"].startswith("bogus: unknown field for /generate")
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [1, 2], "bogus": 1, "rid": "q",
+                                                           "sampling_params": {"max_new_tokens": 2}}).encode())
+        assert status == 200 and body["meta_info"]["id"] == "q"  # unknown top-level fields: ignored, as SGLang does
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [[1, 2], [3]], "rid": "b",
+                                                           "sampling_params": {"max_new_tokens": 2}}).encode())
+        assert status == 200 and [o["meta_info"]["id"] for o in body] == ["b_0", "b_1"]  # SGLang's batch rids
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [[1, 2], [3]], "sampling_params": [
+            {"max_new_tokens": 2, "sampling_seed": 1}, {"max_new_tokens": 3, "sampling_seed": 2}]}).encode())
+        assert status == 400 and body["error"]["message"].startswith("sampling_params: jetrl serve runs one setting")
+        status, body = _raw(url + "/generate", json.dumps({"input_ids": [[1, 2], [3] * 600],
+                                                           "sampling_params": {"max_new_tokens": 2}}).encode())
+        assert status == 400 and "a prompt of 600" in body["error"]["message"]  # every prompt, not the first only
         status, body = _raw(url + "/generate", json.dumps({"input_ids": [[1, 2], []]}).encode())
         assert status == 400 and "input_ids" in body["error"]["message"]
         status, body = _raw(url + "/generate", json.dumps({"input_ids": [1], "sampling_params": {"min_p": 0.1}}).encode())
@@ -98,10 +114,17 @@ def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
         with pytest.raises(ServerError, match="HTTP 401"):
             anon.release_memory_occupation()
 
-        # an update is applied whole or not at all
+        # an update is applied whole or not at all, inside a weight-update session (SGLang's rule)
         ckpt = HFCheckpoint(fp8_dir)
         names = sorted(ckpt.keys())
         first = {n: ckpt.raw(n) for n in names[: len(names) // 2]}
+        with pytest.raises(ServerError, match="HTTP 400: update_weights_from_tensor must run between begin_weight_update"):
+            client.update_weights_from_tensor([_st_payload(first)], "jetrl_safetensors", "1", False)
+        with pytest.raises(ServerError, match="HTTP 400: no weight-update session is open"):
+            client.end_weight_update()
+        client.begin_weight_update()
+        with pytest.raises(ServerError, match="HTTP 400: a weight-update session is already open"):
+            client.begin_weight_update()
         r = client.update_weights_from_tensor([_st_payload(first)], "jetrl_safetensors", "1", False)
         assert r["success"] and "staged" in r["message"] and client.get_weight_version() == "0"
         bad_name = names[len(names) // 2]
@@ -111,7 +134,7 @@ def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
         rest = {n: ckpt.raw(n) for n in names[len(names) // 2:]}
         r = client.update_weights_from_tensor([_st_payload(rest)], "jetrl_safetensors", "1", True)
         assert "staged" in r["message"] and client.get_weight_version() == "0"  # the first half was dropped
-        assert client.generate(PROMPTS, PARAMS, seed=7)[0].output_ids == before[0].output_ids
+        assert client.generate(PROMPTS, PARAMS, SEEDS)[0].output_ids == before[0].output_ids
 
         # a full update with changed weights: version moves, the FP8 bytes served are the ones sent
         new = {n: ckpt.raw(n) for n in names}
@@ -121,27 +144,39 @@ def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
         for i, c in enumerate(chunks):
             r = client.update_weights_from_tensor([_st_payload(c)], "jetrl_safetensors", "2", i == len(chunks) - 1)
         assert r["message"] == "weights updated to version 2" and client.get_weight_version() == "2"
-        from megatron_jetrl.sync.transport import tensor_hash
+        client.end_weight_update()
+        from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, compare
 
-        served = client.weight_hashes()
-        assert served["weight_version"] == "2" and served["hashes"][w] == tensor_hash(new[w])
-        assert all(served["hashes"][k] == tensor_hash(v) for k, v in new.items() if k in served["hashes"])
-        assert len(served["hashes"]) == sum(1 for k in new if k.endswith(("proj.weight", "weight_scale_inv")))
+        # /weights_checker: SGLang's checksums of the served weights equal those of the bytes sent
+        served = client.weights_checksum()
+        exp, old = ExpectedChecksums(1, 4, 128), ExpectedChecksums(1, 4, 128)
+        for k in new:
+            exp.add(k, new[k])
+            old.add(k, ckpt.raw(k))
+        fused = _sglang_linears(new)
+        assert compare(exp.ranks, served) == (fused, 0) and fused == 4 * 2  # two layers
+        assert compare(old.ranks, served) == (fused, 1)  # the flipped down_proj is the one that differs
+        assert "model.layers.0.self_attn.qkv_proj.weight" in served["ranks"][0]["checksums"]
 
         # disk: the same directory the fleet's disk transport writes
         r = client.update_weights_from_disk(fp8_dir, "3")
         assert r["success"] and client.get_weight_version() == "3"
-        assert client.generate(PROMPTS, PARAMS, seed=7)[3].output_ids == before[3].output_ids
+        assert client.generate(PROMPTS, PARAMS, SEEDS)[3].output_ids == before[3].output_ids
 
         # release / resume: resident bytes go to 0, generation is refused, then comes back identical
+        with pytest.raises(ServerError, match="HTTP 400: tags: kv_cache not released"):
+            client.resume_memory_occupation(["kv_cache"])  # SGLang's scheduler dies on this
         client.release_memory_occupation()
         info = client.server_info()["jetrl"]
-        assert info["memory_released"] and info["resident_bytes"] == 0
+        assert info["memory_released"] == ["cuda_graph", "kv_cache", "weights"] and info["resident_bytes"] == 0
         with pytest.raises(ServerError, match="HTTP 503: memory released"):
-            client.generate(PROMPTS, PARAMS, seed=7)
-        client.resume_memory_occupation()
+            client.generate(PROMPTS, PARAMS, SEEDS)
+        client.resume_memory_occupation(["weights"])
         assert client.server_info()["jetrl"]["resident_bytes"] > 0
-        assert client.generate(PROMPTS, PARAMS, seed=7)[1].output_ids == before[1].output_ids
+        with pytest.raises(ServerError, match=r"HTTP 503: memory released \(cuda_graph, kv_cache\)"):
+            client.generate(PROMPTS, PARAMS, SEEDS)
+        client.resume_memory_occupation(["kv_cache", "cuda_graph"])
+        assert client.generate(PROMPTS, PARAMS, SEEDS)[1].output_ids == before[1].output_ids
         assert proc.poll() is None
     finally:
         proc.kill()
@@ -186,7 +221,7 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
         assert fleet.heal() == 1 and victim.up and victim.restarts == 1
         ckpt = HFCheckpoint(fp8_dir)
         m = fleet.push_weights(1, ((n, ckpt.raw(n)) for n in ckpt.keys()))
-        assert m["parity_checked"] == 2 * sum(1 for n in ckpt.keys() if n.endswith(("proj.weight", "_scale_inv")))
+        assert m["parity_checked"] == 2 * _sglang_linears(ckpt.keys())  # SGLang's fused params, per server
         assert m["parity_mismatch"] == 0
         assert [s.client.get_weight_version() for s in fleet.servers] == ["1", "1"]
         again = fleet.generate(prompts, PARAMS, seed=100)
@@ -363,6 +398,9 @@ def test_client_requests_match_sglang_source(monkeypatch):
     sent = []
     monkeypatch.setattr(SGLangClient, "request", lambda self, path, body=None, **kw: sent.append((path, body)) or {})
     c = SGLangClient("http://x")
+    c.begin_weight_update()
+    c.end_weight_update()
+    c.weights_checksum()
     c.update_weights_from_disk("/m", "1")
     c.update_weights_from_tensor(["YQ=="], "flattened_bucket", "1", True)
     c.init_weights_update_group("127.0.0.1", 1234, 1, 3, "g", "nccl")
@@ -375,10 +413,10 @@ def test_client_requests_match_sglang_source(monkeypatch):
     c.flush_cache()
     c.request("/slow_down", {"forward_sleep_time": 1.0})
     try:
-        c.generate([[1, 2]], SamplingParams(max_new_tokens=2, top_k=5, stop_token_ids=(3,)), seed=1, rid="r")
+        c.generate([[1, 2]], SamplingParams(max_new_tokens=2, top_k=5, stop_token_ids=(3,)), seeds=[1], rid="r")
     except ServerError:
         pass  # the stub answers {}, which the parser refuses: we only record the request here
-    assert len(sent) == 12
+    assert len(sent) == 15
     for path, body in sent:
         assert path in routes, path
         if path == "/flush_cache":
@@ -390,7 +428,7 @@ def test_client_requests_match_sglang_source(monkeypatch):
         assert own <= fields[cls], (path, own - fields[cls])
     gen = dict(sent)["/generate"]
     sp_fields = _sampling_param_fields()
-    assert set(gen["sampling_params"]) <= sp_fields
+    assert all(set(row) <= sp_fields for row in gen["sampling_params"])
     for path in ("/health_generate", "/model_info", "/server_info"):
         assert path in routes
 
@@ -428,7 +466,8 @@ def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
     from megatron_jetrl.precision.recipe import FP8Recipe
     from megatron_jetrl.rollout.sglang import sglang_server_argv
 
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.server_tp=2", "rollout.mem_fraction=0.6",
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.server_tp=2", "model.num_key_value_heads=4",
+                             "rollout.mem_fraction=0.6",
                              "rollout.deterministic=true", "rollout.admin_api_key=s3cret", "seed=7"])
     for mode, colocated in (("jet", True), ("bf16", False)):
         argv = sglang_server_argv(cfg, FP8Recipe(mode=mode), fp8_dir, 31234, base_gpu_id=4, colocated=colocated)
@@ -444,3 +483,90 @@ def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
     # the launch directory's config.json carries the recipe's block quantization_config
     with open(os.path.join(fp8_dir, "config.json")) as f:
         assert json.load(f)["quantization_config"] == FP8Recipe(mode="jet").hf_quantization_config()
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.engine=sglang against servers that follow SGLang 0.5.23's rules (jetrl serve)
+
+
+@pytest.fixture(scope="module")
+def tiny_rollout_dir(tmp_path_factory):
+    """The tiny preset's initial weights as its rollout receives them (block FP8, HF layout): what the
+    servers of an attached fleet are launched from."""
+    run_dir = tmp_path_factory.mktemp("tiny0")
+    code = ("import torch\n"
+            "from megatron_jetrl.config import load_config\n"
+            "from megatron_jetrl.train import setup, close, disk_push\n"
+            "from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors\n"
+            f"cfg = load_config({os.path.join(REPO, 'examples/configs/tiny.yaml')!r}, ['logging.run_dir={run_dir}'])\n"
+            "run = setup(cfg)\n"  # what an SGLang server gets: FP8 linears, the rest in BF16
+            "path, _ = disk_push(run, 0, iter_hf_tensors(run.actor.module, cfg.model, "
+            "ExportOptions(fp8=True, dtype=torch.bfloat16)))\n"
+            "close(run)\nprint(path)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode,transport", [("disaggregated", "distributed"), ("disaggregated", "disk"),
+                                            ("colocated", "distributed"), ("colocated", "disk")])
+def test_train_with_sglang_engine_on_sglang_rules_servers(mode, transport, tiny_rollout_dir, tmp_path):
+    """`jetrl train --preset tiny rollout.engine=sglang`, attached to two servers that follow SGLang
+    0.5.23's rules (weight-update sessions, memory tags, per-row seeds, /weights_checker), completes in
+    both scheduler modes with each transport SGLang takes; the FP8 checksums match after every push."""
+    procs = [_serve(tiny_rollout_dir, tmp_path / f"s{i}.log", "--params-dtype", "bf16") for i in range(2)]
+    try:
+        urls = ",".join(c.url for _, c in procs)
+        out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
+                              "--run-dir", str(tmp_path / "run"), "steps=2", "algo.sft_warmup_steps=1",
+                              "rollout.engine=sglang", f"rollout.server_addresses=[{urls}]",
+                              f"scheduler.mode={mode}", f"rollout.weight_transport={transport}",
+                              "rollout.prompts_per_step=4", "rollout.chunk_size=8"],
+                             env=ENV, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = _metrics(tmp_path / "run")
+        assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0]
+        for r in rows:  # the push after the warm-up and after each RL step
+            assert r["parity_checked"] == 2 * 2 * 4 and r["parity_mismatch"] == 0  # 2 servers x 2 layers x 4
+        rl = rows[1:]
+        assert all(r["fleet_servers_up"] == 2 and r["fleet_retries"] == 0 for r in rl)
+        # the same FP8 linears; SGLang's embeddings, norms and head are BF16 where this trainer's are fp32
+        assert all(r["mismatch_abs_mean"] < 0.02 for r in rl)
+        if mode == "colocated":
+            assert all(r["trainer_offloaded_gb"] > 0 for r in rl)
+        for proc, client in procs:
+            assert proc.poll() is None and client.get_weight_version() == "3"
+            assert "requests_served" in client.server_info()["jetrl"]
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+
+
+def test_train_refuses_an_unsupported_sglang_version(tmp_path):
+    """A server that reports another SGLang release stops the run at attach time with one line."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Old(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"version": "0.4.6"} if self.path == "/server_info" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
+                              "--run-dir", str(tmp_path / "run"), "steps=1", "algo.sft_warmup_steps=0",
+                              "rollout.engine=sglang", f"rollout.server_addresses=[http://127.0.0.1:{srv.server_address[1]}]",
+                              "scheduler.mode=disaggregated"], env=ENV, capture_output=True, text=True, timeout=300)
+    finally:
+        srv.shutdown()
+    assert out.returncode == 3
+    last = out.stderr.strip().splitlines()[-1]
+    assert "SGLang 0.4.6 is not supported" in last and "sglang==0.5.23" in last

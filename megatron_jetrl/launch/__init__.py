@@ -25,6 +25,7 @@ import sys
 
 from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts, search_layouts,
                                            server_memory, trainer_memory, valid_tp)
+from megatron_jetrl.precision.recipe import FP8Recipe
 
 TRAIN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",      # Megatron's TP comm/compute overlap ordering
              "NCCL_NVLS_ENABLE": "0",                 # NVLink SHARP multicast off (see docs/cluster.md)
@@ -118,16 +119,26 @@ def make_plan(cfg, cluster: Cluster, *, seq_len: int, concurrency: int, rollout_
     fp8_rollout = mode in ("jet", "fp8_rollout")
     context_len = seq_len
 
-    # SGLang: the smallest TP whose weights + KV pool fit in mem_fraction (within one node).
-    server_tp, smem = 0, None
+    # SGLang: the smallest TP it accepts for this model (FP8 blocks per shard) whose weights + KV pool
+    # fit in mem_fraction (within one node).
+    server_tp, smem, refused = 0, None, []
+    recipe = FP8Recipe.from_config(cfg.precision)
     for t in ((1,) if cfg.rollout.engine == "serve" else (1, 2, 4, 8, 16)):  # jetrl serve is one process
-        if t > cluster.gpus_per_node or m.num_attention_heads % t:
+        if t > cluster.gpus_per_node:
+            continue
+        why = recipe.sglang_tp_problem(heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                                       head_dim=m.head_dim, ffn=m.ffn_hidden_size, tp=t)
+        if why is not None:
+            refused.append(why)
             continue
         smem = server_memory(m, t, fp8=fp8_rollout, concurrency=concurrency, context_len=context_len,
                              mem_fraction=cfg.rollout.mem_fraction, gpu_mem=gpu_mem)
         if smem.fits:
             server_tp = t
             break
+    if not server_tp and smem is None:
+        raise PlanError(f"launch: SGLang accepts no server TP up to {cluster.gpus_per_node} GPUs for this model "
+                        f"({'; '.join(refused)}); use precision.mode=bf16 or rollout.engine=serve")
     if not server_tp:
         raise PlanError(f"launch: one SGLang server does not fit even at TP={cluster.gpus_per_node}: weights "
                         f"{smem.weights / GB:.1f} GB + KV {smem.kv_pool / GB:.1f} GB per GPU > "

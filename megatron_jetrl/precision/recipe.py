@@ -91,6 +91,24 @@ class FP8Recipe:
             return {"dtype": "bfloat16"}
         return {"dtype": "bfloat16", "quantization": "fp8"}
 
+    def sglang_tp_problem(self, *, heads: int, kv_heads: int, head_dim: int, ffn: int, tp: int) -> str | None:
+        """Why an SGLang 0.5.23 server of tensor-parallel size ``tp`` refuses this model, or None.
+        SGLang divides heads, KV heads (replicated when ``tp`` exceeds them) and the FFN width over TP;
+        with block FP8 (``layers/quantization/fp8.py: validate_block_quant_shapes``) every sub-matrix of a
+        fused q/k/v or gate/up shard, and every row-parallel input shard (o_proj, down_proj; tp > 1), is
+        a whole number of ``weight_block`` rows/columns."""
+        if heads % tp or ffn % tp or (kv_heads % tp if tp <= kv_heads else tp % kv_heads):
+            return f"TP={tp} does not divide {heads} heads, {kv_heads} KV heads and FFN width {ffn}"
+        if not self.rollout_fp8:
+            return None
+        bn, bk = self.weight_block
+        kv_rows = max(1, kv_heads // tp) * head_dim
+        sizes = {"q rows": heads // tp * head_dim, "k/v rows": kv_rows, "gate/up rows": ffn // tp}
+        if tp > 1:
+            sizes.update({"o_proj input": heads * head_dim // tp, "down_proj input": ffn // tp})
+        bad = [f"{k} {v}" for k, v in sizes.items() if v % (bk if "input" in k else bn)]
+        return f"TP={tp} gives per-rank {', '.join(bad)}, not multiples of the {bn}-wide FP8 block" if bad else None
+
     def te_settings(self) -> dict:
         """TransformerEngine settings that reproduce this recipe (``precision.backend=te``)."""
         return {

@@ -49,12 +49,15 @@ def fused_sampling(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                seed: int | None = None, row_seeds: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V]; returns (ids [B], logprobs [B]). All on the
     logits' device, no host sync. Greedy when temperature == 0. With a ``seed`` (a new one per
     step) and ``fused_sampling``, one Triton kernel draws from the same distribution (Gumbel-max on
-    a Philox stream fixed by the seed) instead of ~12 eager kernels with ``multinomial``."""
-    if seed is not None and fused_sampling(logits, params):
+    a Philox stream fixed by the seed) instead of ~12 eager kernels with ``multinomial``. With
+    ``row_seeds`` [B] and ``positions`` [B] (the position of each row's last token), each row draws
+    with SGLang's seeded rule (``rollout/seeded.py``): its token depends on its seed and position only."""
+    if row_seeds is None and seed is not None and fused_sampling(logits, params):
         from megatron_jetrl.rollout.triton_sample import fused_sample
 
         return fused_sample(logits, params.temperature, seed)
@@ -74,5 +77,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop = cum - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
-    ids = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
+    if row_seeds is not None:
+        from megatron_jetrl.rollout.seeded import seeded_sample
+
+        ids = seeded_sample(torch.log_softmax(filtered, -1), row_seeds, positions)
+    else:
+        ids = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)

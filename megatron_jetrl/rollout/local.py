@@ -76,10 +76,16 @@ class LocalEngine:
         return d
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """``seeds``: one sampling seed per prompt (SGLang's seeded rule, ``rollout/seeded.py``: a row's
+        tokens depend on its prompt, seed and the weights, not on the rest of the batch); None: the
+        engine's generator."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         if self.decode == "static":
-            return self._generate_static(prompts, params)
-        return self._generate_megatron(prompts, params)
+            return self._generate_static(prompts, params, seeds)
+        return self._generate_megatron(prompts, params, seeds)
 
     def _finish(self, prompts, out_ids, out_lp, params) -> list[Generation]:
         ids = torch.stack(out_ids, 1).tolist()
@@ -113,7 +119,7 @@ class LocalEngine:
                 torch.cat([key_pad, torch.ones((extra, P), dtype=torch.bool, device=key_pad.device)]))
 
     @torch.no_grad()
-    def _generate_static(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:
         tokens, key_pad = self._left_pad(prompts)
         B, P = tokens.shape
         was_training = self.model.training
@@ -128,7 +134,8 @@ class LocalEngine:
                 captured = dec.capture_s
                 t0 = time.perf_counter()
                 step = (lambda ids, t: dec.step(torch.cat([ids, pads]))[:B]) if extra else (lambda ids, t: dec.step(ids))
-                out_ids, out_lp = self._sample_loop(dec.prefill(tokens, key_pad)[:B], step, params)
+                out_ids, out_lp = self._sample_loop(dec.prefill(tokens, key_pad)[:B], step, params,
+                                                    self._row_seeds(prompts, seeds))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.last_stats = {"decode_steps": len(out_ids), "graph_capture_s": dec.capture_s - captured,
@@ -137,18 +144,27 @@ class LocalEngine:
             self.model.train(was_training)
         return self._finish(prompts, out_ids, out_lp, params)
 
-    def _sample_loop(self, logits, step, params: SamplingParams):
+    def _row_seeds(self, prompts, seeds):
+        """(seeds [B], positions of each row's last prompt token [B]) on the device, or None."""
+        if seeds is None:
+            return None
+        return (torch.tensor(seeds, dtype=torch.int64, device=self.device),
+                torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int64, device=self.device))
+
+    def _sample_loop(self, logits, step, params: SamplingParams, seeded=None):
         """Sample a token per row from ``logits``, get the next logits from ``step(ids, t)``, until
-        ``max_new_tokens`` or every row stopped; returns the per-step ids and logprobs (device)."""
+        ``max_new_tokens`` or every row stopped; returns the per-step ids and logprobs (device).
+        ``seeded``: (row seeds, last prompt positions) for SGLang's per-row seeded draw."""
         B = logits.shape[0]
         out_ids, out_lp = [], []
         done = torch.zeros(B, dtype=torch.bool, device=logits.device)
         stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
         # the fused sampler's Philox stream: one seed per rollout from the engine's generator, + step
         seed = (int(torch.randint(0, 2**30, (1,), generator=self.generator, device=self.generator.device))
-                if fused_sampling(logits, params) else None)
+                if fused_sampling(logits, params) and seeded is None else None)
         for t in range(params.max_new_tokens):
-            ids, lp = sample_next(logits, params, self.generator, None if seed is None else seed + 7919 * t)
+            ids, lp = sample_next(logits, params, self.generator, None if seed is None else seed + 7919 * t,
+                                  *((seeded[0], seeded[1] + t) if seeded is not None else ()))
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
             out_ids.append(ids)
             out_lp.append(lp)
@@ -161,7 +177,7 @@ class LocalEngine:
         return out_ids, out_lp
 
     @torch.no_grad()
-    def _generate_megatron(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_megatron(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         tokens, key_pad = self._left_pad(prompts)
@@ -188,7 +204,7 @@ class LocalEngine:
                 logits = self._logits(self.model(tokens, pos, ~allowed[:, None], inference_context=ctx))[:, -1]
                 ctx.increment_sequence_len_offset(P)
                 ctx.enable_decode_mode()
-                out_ids, out_lp = self._sample_loop(logits, step, params)
+                out_ids, out_lp = self._sample_loop(logits, step, params, self._row_seeds(prompts, seeds))
         finally:
             self.model.train(was_training)
         return self._finish(prompts, out_ids, out_lp, params)

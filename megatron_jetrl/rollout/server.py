@@ -1,22 +1,30 @@
-"""``jetrl serve``: the in-process engine behind SGLang's HTTP endpoints (the subset RL uses).
+"""``jetrl serve``: the in-process engine behind SGLang 0.5.23's HTTP endpoints (the subset RL uses),
+following SGLang's rules, so that a client that works against it works against SGLang.
 
 A CPU or single-GPU user runs rollout workers as separate processes with it, and CI runs the
 fleet client and the schedulers over real HTTP against it. Request and response shapes follow
-SGLang's ``io_struct`` request classes and ``http_server`` routes (tests check the field names
-against SGLang's source); what differs is stated here:
+SGLang's ``io_struct`` request classes and ``http_server`` routes; the rules that follow SGLang's:
 
-- ``/generate`` takes ``input_ids`` only (no tokenizer on the server) and returns the sampler's
-  per-token logprobs (``softmax(logits / temperature)``, the trainer's definition).
-- Weight updates are applied whole or not at all. Buckets of one update (same ``weight_version``)
-  are staged until every tensor of the model has arrived, validated (names, shapes, dtypes), then
-  swapped in under the engine lock; a bad bucket drops the staged update and answers 400, and
-  ``weight_version`` names the weights actually served. Block-FP8 tensors are installed as the
-  exact bytes + scales received (no re-quantization).
-- ``/update_weights_from_tensor`` takes ``load_format="jetrl_safetensors"``: each element of
-  ``serialized_named_tensors`` is base64 safetensors bytes (SGLang's own format carries CUDA IPC
-  handles, which only work between processes on one GPU host).
-- ``/jetrl/weight_hashes``: hashes of the FP8 bytes + scales it runs with, for the sender's parity
-  check. ``/server_info`` carries a ``jetrl`` block (memory released, resident bytes).
+- ``/update_weights_from_distributed`` and ``/update_weights_from_tensor`` are refused outside a
+  ``/begin_weight_update`` ... ``/end_weight_update`` session (SGLang's message); a second begin is refused.
+- Memory tags (``kv_cache``, ``weights``, ``cuda_graph``): a release without tags releases all three;
+  resuming a tag that is not released is refused (SGLang's scheduler dies on it); generation needs every
+  tag resumed, a weight update needs ``weights``.
+- ``sampling_params`` is one dict or one per row; ``sampling_seed`` draws with SGLang's seeded rule
+  (``rollout/seeded.py``: the token depends on the row's seed and position only); a string ``rid`` of a
+  batch becomes ``f"{rid}_{i}"``; unknown top-level fields are ignored.
+- ``/weights_checker`` (``action="checksum"``) answers SGLang's per-rank checksums (BF16-dequantized
+  block-FP8 weights, fused q/k/v and gate/up names: ``sync/sglang_checksum.py``) of what it serves.
+- ``/server_info`` reports ``version`` 0.5.23 (the rules it follows) and ``frontend`` ``jetrl-serve``,
+  plus a ``jetrl`` block (memory released, resident bytes).
+
+Where it differs from SGLang (README, "SGLang compatibility"): token ids only (no tokenizer, no
+``text``); one process (TP=1); per-token logprobs are the sampler's (``softmax(logits / temperature)``,
+the trainer's definition); an update is applied whole or not at all (buckets of one ``weight_version``
+are staged until every tensor has arrived, validated, then swapped in; SGLang loads each bucket as it
+comes); ``/update_weights_from_tensor`` takes ``load_format="jetrl_safetensors"`` (base64 safetensors per
+element) where SGLang takes CUDA IPC handles; rows of one request share every sampling parameter but
+the seed.
 
 Safety: binds 127.0.0.1 unless ``--host`` says otherwise; bound elsewhere it refuses to start
 without ``--admin-api-key``, which then guards every endpoint but ``/generate`` and the health and
@@ -33,16 +41,20 @@ import logging
 import os
 import threading
 import time
+import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
+from megatron_jetrl.rollout.sglang import MEMORY_TAGS, SGLANG_VERSION
+
 log = logging.getLogger("jetrl.serve")
 
 # Fields a router (sglang-router) fills in when it forwards /generate: accepted at their default
-# values, refused when they ask for something this server does not do.
+# values, refused when they ask for something this server does not do. Other unknown fields are
+# ignored, as SGLang's request parsing does.
 GENERATE_PASSTHROUGH = {"model", "return_text_in_logprobs", "log_metrics", "return_hidden_states", "background",
                         "no_logs", "return_bytes", "return_entropy", "top_logprobs_num", "return_routed_experts"}
 IGNORED_WHEN_SET = {"model", "log_metrics", "no_logs"}
@@ -65,6 +77,9 @@ REQUEST_FIELDS = {
     "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", {"group_name"}),
     "/pause_generation": ("PauseGenerationReqInput", {"mode"}),
     "/continue_generation": ("ContinueGenerationReqInput", {"torch_empty_cache"}),
+    "/begin_weight_update": ("BeginWeightUpdateReqInput", {"selector"}),
+    "/end_weight_update": ("EndWeightUpdateReqInput", set()),
+    "/weights_checker": ("CheckWeightsReqInput", {"action", "allow_quant_error", "skip_tensor_list", "selector"}),
     "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", {"tags"}),
     "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags"}),
     "/slow_down": ("SlowDownReqInput", {"forward_sleep_time"}),
@@ -72,7 +87,8 @@ REQUEST_FIELDS = {
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
                    "skip_special_tokens", "no_stop_trim"}
 OPEN_ENDPOINTS = {"/generate", "/health", "/health_generate", "/model_info", "/get_model_info",
-                  "/server_info", "/get_server_info", "/get_weight_version", "/ready"}
+                  "/server_info", "/get_server_info", "/ready"}
+NO_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
 _TOP_K_ALL = 1 << 30  # SGLang's "top_k off"
 
 
@@ -132,6 +148,8 @@ class ServeEngine:
         self.staged_version: str | None = None
         self.groups: dict[str, Any] = {}
         self.offloader = None
+        self.offload_tags: set[str] = set()    # released memory tags, as SGLang's weight updater keeps them
+        self.session_open = False              # inside /begin_weight_update ... /end_weight_update
         self.sleep_s = 0.0
         self.served = 0
         self.last_parity: dict = {}
@@ -151,12 +169,23 @@ class ServeEngine:
         prompts = [ids] if single else ids
         _need(all(0 <= t < self.model_cfg.vocab_size for p in prompts for t in p),
               f"input_ids: token ids must be in [0, {self.model_cfg.vocab_size})")
-        sp = body.get("sampling_params") or {}
-        _need(isinstance(sp, dict), "sampling_params: one dict for the whole batch")
-        unknown = set(sp) - SAMPLING_FIELDS
-        if unknown:
-            raise RequestError(f"sampling_params.{sorted(unknown)[0]}: not supported by jetrl serve; "
-                               f"use {', '.join(sorted(SAMPLING_FIELDS))}")
+        rows = body.get("sampling_params")
+        rows = rows if isinstance(rows, list) else [rows or {}] * len(prompts)
+        _need(len(rows) == len(prompts) and all(isinstance(r, dict) for r in rows),
+              f"sampling_params: one dict, or one per prompt ({len(prompts)})")
+        for r in rows:
+            unknown = set(r) - SAMPLING_FIELDS
+            if unknown:
+                raise RequestError(f"sampling_params.{sorted(unknown)[0]}: not supported by jetrl serve; "
+                                   f"use {', '.join(sorted(SAMPLING_FIELDS))}")
+        shared = [{k: v for k, v in r.items() if k != "sampling_seed"} for r in rows]
+        _need(all(r == shared[0] for r in shared), "sampling_params: jetrl serve runs one setting per request; "
+              "rows may differ in sampling_seed only (send other settings as separate requests)")
+        sp = rows[0]
+        seeds = [r.get("sampling_seed") for r in rows]
+        _need(all(x is None for x in seeds) or all(isinstance(x, int) and not isinstance(x, bool)
+                                                   and -2**63 <= x < 2**63 for x in seeds),
+              "sampling_params.sampling_seed: an int64 on every row or on none")
         top_k = int(sp.get("top_k", 0) or 0)
         params = SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 128)),
                                 temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
@@ -165,32 +194,39 @@ class ServeEngine:
         _need(params.max_new_tokens >= 1, "sampling_params.max_new_tokens: must be >= 1")
         _need(params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0,
               "sampling_params: temperature >= 0, 0 < top_p <= 1, top_k >= 0 (or -1)")
-        _need(len(prompts[0]) + params.max_new_tokens <= self.model_cfg.max_position_embeddings,
-              f"max_new_tokens: prompt + new tokens exceed the model's {self.model_cfg.max_position_embeddings} positions")
+        longest = max(len(p) for p in prompts)
+        _need(longest + params.max_new_tokens <= self.model_cfg.max_position_embeddings,
+              f"max_new_tokens: a prompt of {longest} + {params.max_new_tokens} new tokens exceeds the model's "
+              f"{self.model_cfg.max_position_embeddings} positions")
+        rid = body.get("rid")
+        if single:
+            rids = [rid if isinstance(rid, str) else uuid.uuid4().hex]
+        elif isinstance(rid, list):
+            _need(len(rid) == len(prompts) and len(set(rid)) == len(rid), "rid: one unique id per prompt")
+            rids = [str(r) for r in rid]
+        else:  # SGLang's GenerateReqInput._normalize_rid
+            rids = [f"{rid}_{i}" if isinstance(rid, str) else uuid.uuid4().hex for i in range(len(prompts))]
         deadline = time.monotonic() + 600
         while not self.running.wait(0.05):  # paused: wait for /continue_generation (in_place semantics)
             if time.monotonic() > deadline:
                 raise RequestError("generation paused for 600 s; call /continue_generation", HTTPStatus.SERVICE_UNAVAILABLE)
         with self.lock:
-            if self.offloader is not None and self.offloader.offloaded:
-                raise RequestError("memory released: call /resume_memory_occupation first", HTTPStatus.SERVICE_UNAVAILABLE)
+            if self.offload_tags:
+                raise RequestError(f"memory released ({', '.join(sorted(self.offload_tags))}): call "
+                                   "/resume_memory_occupation first", HTTPStatus.SERVICE_UNAVAILABLE)
             if self.sleep_s:
                 time.sleep(self.sleep_s)
-            if sp.get("sampling_seed") is not None:
-                self.engine.generator.manual_seed(int(sp["sampling_seed"]))
             t0 = time.perf_counter()
-            gens = self.engine.generate(prompts, params)
+            gens = self.engine.generate(prompts, params, None if seeds[0] is None else seeds)
             version = self.weight_version
             self.served += 1
             log.info("generate #%d (rid %s): %d prompts, %d new tokens in %.2f s, weight_version %s", self.served,
-                     body.get("rid"), len(prompts), sum(len(g.output_ids) for g in gens), time.perf_counter() - t0,
-                     version)
-        rid = body.get("rid")
+                     rid, len(prompts), sum(len(g.output_ids) for g in gens), time.perf_counter() - t0, version)
         out = []
         for i, g in enumerate(gens):
             finish = ({"type": "stop", "matched": g.output_ids[-1]} if g.finish_reason == "stop"
                       else {"type": "length", "length": len(g.output_ids)})
-            meta = {"id": (rid[i] if isinstance(rid, list) else f"{rid or 'req'}-{i}"), "finish_reason": finish,
+            meta = {"id": rids[i], "finish_reason": finish,
                     "prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.output_ids),
                     "weight_version": version}
             if body.get("return_logprob"):
@@ -230,15 +266,53 @@ class ServeEngine:
         from megatron_jetrl.models.hf_io import TensorDict, load_hf_weights
 
         with self.lock:
-            _need(self.offloader is None or not self.offloader.offloaded,
+            _need("weights" not in self.offload_tags,
                   "memory released: call /resume_memory_occupation (tags weights) before updating weights")
             load_hf_weights(self.model, self.model_cfg, TensorDict(tensors), self.fp8_state)
             self.weight_version = version
             self.engine.weight_version = int(version) if version.isdigit() else self.engine.weight_version
 
-    def fp8_hashes(self) -> dict:
+    def checksums(self, body: dict) -> dict:
+        """``/weights_checker``: SGLang's answer shape, one ``ChecksumInfo`` for the one (TP=1) rank, of
+        the weights served (read back through the export path the sender's bytes came in by)."""
+        import hashlib
+
+        from megatron_jetrl.sync.export import iter_hf_tensors
+        from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, sglang_tensor_hash
+
+        _need(body.get("action", "checksum") == "checksum",
+              "action: jetrl serve implements 'checksum' (snapshot/compare/reset_tensors are SGLang's debugging aids)")
+        skip = body.get("skip_tensor_list") or []
         with self.lock:
-            return self.engine.fp8_hashes()
+            _need("weights" not in self.offload_tags, "memory released: call /resume_memory_occupation first")
+            linears = ExpectedChecksums(1, self.model_cfg.num_key_value_heads, self.recipe.weight_block[0],
+                                        unquantized=True)
+            raw = {n: sglang_tensor_hash(t) for n, t in iter_hf_tensors(self.model, self.model_cfg, self.export_opts)
+                   if not linears.add(n, t)}
+        sums = {n: h for n, h in {**raw, **linears.ranks[0]}.items() if not any(p in n for p in skip)}
+        overall = hashlib.sha256()
+        for n in sorted(sums):
+            overall.update(n.encode())
+            overall.update(sums[n].encode())
+        info = {"checksums": sums, "per_gpu_checksum": overall.hexdigest(),
+                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                      "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]}
+        return {"success": True, "message": "Success.", "ranks": [info],
+                "per_engine_checksum": hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()}
+
+    def begin_session(self) -> dict:
+        _need(not self.session_open, "a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return {"success": True, "message": "Success"}
+
+    def end_session(self) -> dict:
+        _need(self.session_open, "no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        if self.staged:
+            log.warning("session closed with an incomplete update (version %s, %d/%d tensors): dropped",
+                        self.staged_version, len(self.staged), len(self.manifest))
+            self.staged, self.staged_version = {}, None
+        return {"success": True, "message": "Success"}
 
     def update_from_disk(self, body: dict) -> dict:
         from megatron_jetrl.models.hf_io import CheckpointError, HFCheckpoint
@@ -265,6 +339,7 @@ class ServeEngine:
     def update_from_tensor(self, body: dict) -> dict:
         from safetensors.torch import load as st_load
 
+        _need(self.session_open, NO_SESSION.format("update_weights_from_tensor"))
         _need(body.get("load_format") == "jetrl_safetensors",
               "load_format: jetrl serve takes 'jetrl_safetensors' (base64 safetensors bytes per element)")
         items = body.get("serialized_named_tensors")
@@ -305,6 +380,7 @@ class ServeEngine:
 
         from megatron_jetrl.sync.sglang_bucket import sglang_bucket_class
 
+        _need(self.session_open, NO_SESSION.format("update_weights_from_distributed"))
         name = body.get("group_name", "weight_update_group")
         _need(name in self.groups, f"group_name: no group {name!r}; call /init_weights_update_group first")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
@@ -329,25 +405,36 @@ class ServeEngine:
                 received[n] = t
         return self.stage({k: v.cpu() for k, v in received.items()}, body.get("weight_version"))
 
-    # -- memory --------------------------------------------------------------------------------------
+    # -- memory ------------------------------------------------------------------------------------
+    @staticmethod
+    def _tags(body: dict) -> list[str]:
+        tags = body.get("tags") or list(MEMORY_TAGS)  # SGLang: no tags means all of them
+        _need(isinstance(tags, list) and set(tags) <= set(MEMORY_TAGS), f"tags: a list of {', '.join(MEMORY_TAGS)}")
+        return tags
+
     def release(self, body: dict) -> dict:
+        """The weights go to host memory; the KV cache and CUDA graphs live inside ``/generate`` here, so
+        their tags are bookkeeping (what generation and resume check)."""
         from megatron_jetrl.memory import Offloader, model_tensors
 
-        if body.get("tags") and "weights" not in body["tags"]:
-            return {"success": True, "message": "no KV pool to release (the KV cache lives inside /generate)"}
+        tags = self._tags(body)
         with self.lock:
-            if self.offloader is None or not self.offloader.offloaded:
+            if "weights" in tags and "weights" not in self.offload_tags:
                 self.offloader = Offloader(model_tensors(self.model))
-                n = self.offloader.offload()
-                return {"success": True, "message": f"released {n} bytes"}
-        return {"success": True, "message": "already released"}
+                self.offloader.offload()
+            self.offload_tags.update(tags)
+        return None  # SGLang answers 200 with a null body
 
     def resume(self, body: dict) -> dict:
-        if body.get("tags") and "weights" not in body["tags"]:
-            return {"success": True, "message": "no KV pool to resume (the KV cache lives inside /generate)"}
+        tags = self._tags(body)
         with self.lock:
-            n = self.offloader.reload() if self.offloader is not None else 0
-        return {"success": True, "message": f"resumed {n} bytes"}
+            missing = [t for t in tags if t not in self.offload_tags]
+            _need(not missing, f"tags: {', '.join(missing)} not released (SGLang 0.5.23's scheduler dies on "
+                  "this with a KeyError); resume only released tags")
+            if "weights" in tags:
+                self.offloader.reload()
+            self.offload_tags.difference_update(tags)
+        return None
 
     def resident_bytes(self) -> int:
         from megatron_jetrl.memory import model_tensors
@@ -408,11 +495,11 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                 raise RequestError(f"body: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
             if not isinstance(body, dict):
                 raise RequestError("body: a JSON object is required")
-            if path in REQUEST_FIELDS:
-                allowed = REQUEST_FIELDS[path][1]
-                unknown = sorted(set(body) - allowed)
+            if path in REQUEST_FIELDS:  # SGLang's request parsing drops unknown fields
+                unknown = sorted(set(body) - REQUEST_FIELDS[path][1])
                 if unknown:
-                    raise RequestError(f"{unknown[0]}: unknown field for {path}; allowed: {', '.join(sorted(allowed))}")
+                    log.debug("%s: ignoring unknown fields %s", path, ", ".join(unknown))
+                body = {k: v for k, v in body.items() if k not in unknown}
             return body
 
         def _dispatch(self, method: str) -> None:
@@ -425,20 +512,21 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                     "/health": lambda: "", "/health_generate": lambda: "", "/ready": lambda: "",
                     "/generate": lambda: state.generate(body),
                     "/model_info": self._model_info, "/get_model_info": self._model_info,
-                    "/get_weight_version": lambda: {"weight_version": state.weight_version},
                     "/server_info": self._server_info, "/get_server_info": self._server_info,
                     "/update_weights_from_disk": lambda: {**state.update_from_disk(body), "num_paused_requests": 0},
                     "/update_weights_from_tensor": lambda: state.update_from_tensor(body),
                     "/init_weights_update_group": lambda: state.init_group(body),
                     "/destroy_weights_update_group": lambda: state.destroy_group(body),
                     "/update_weights_from_distributed": lambda: state.update_from_distributed(body),
+                    "/begin_weight_update": state.begin_session,
+                    "/end_weight_update": state.end_session,
+                    "/weights_checker": lambda: state.checksums(body),
                     "/pause_generation": lambda: (state.running.clear(), {"message": "Generation paused successfully.", "status": "ok"})[1],
                     "/continue_generation": lambda: (state.running.set(), {"message": "Generation continued successfully.", "status": "ok"})[1],
                     "/flush_cache": lambda: "Cache flushed.\n",
                     "/release_memory_occupation": lambda: state.release(body),
                     "/resume_memory_occupation": lambda: state.resume(body),
                     "/slow_down": lambda: (setattr(state, "sleep_s", float(body.get("forward_sleep_time") or 0.0)), {})[1],
-                    "/jetrl/weight_hashes": lambda: {"weight_version": state.weight_version, "hashes": state.fp8_hashes()},
                 }
                 if path not in routes:
                     raise RequestError(f"{path}: no such endpoint", HTTPStatus.NOT_FOUND)
@@ -458,8 +546,8 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                     "model_type": state.model_cfg.model_type, "quantization": "fp8" if state.recipe.rollout_fp8 else None}
 
         def _server_info(self):
-            released = state.offloader is not None and state.offloader.offloaded
-            return {"weight_version": state.weight_version, "version": "jetrl-serve",
+            released = sorted(state.offload_tags)
+            return {"weight_version": state.weight_version, "version": SGLANG_VERSION, "frontend": "jetrl-serve",
                     "jetrl": {"memory_released": released, "resident_bytes": state.resident_bytes(),
                               "requests_served": state.served, "paused": not state.running.is_set(),
                               "last_parity": state.last_parity}}

@@ -3,14 +3,22 @@
 - ``sglang_server_argv``: the ``sglang.launch_server`` arguments, derived from the run config and
   the ``FP8Recipe`` alone (the block size and scale format travel in the model directory's
   config.json ``quantization_config``, written by the same recipe).
-- ``SGLangClient``: the HTTP endpoints RL needs, with the request fields of SGLang's io_struct
-  request classes and the response shapes of its http_server (tests check both against SGLang's
-  source).
-- ``RolloutFleet``: launches (or attaches to) the servers, splits a rollout into chunks sent
-  concurrently, and survives servers that die or hang: the chunk is retried on another server
-  (same sampling seed, so no sample is lost or counted twice), the server is restarted and gets the
-  current weights before it serves again. Weight pushes go over disk, a broadcast group or tensor
-  buckets, with the FP8 parity hashes checked where the server exposes them (``jetrl serve``).
+- ``SGLangClient``: the HTTP endpoints RL needs, with the request fields of SGLang 0.5.23's io_struct
+  request classes and the response shapes of its http_server (tests parse every body with SGLang's own
+  classes and drive its weight-update manager with the calls each scheduler mode makes).
+- ``RolloutFleet``: launches (or attaches to) the servers, checks their SGLang version, splits a
+  rollout into chunks sent concurrently, and survives servers that die or hang: the chunk is retried
+  on another server (each row keeps its sampling seed), the server is restarted and gets the current
+  weights before it serves again. Weight pushes go over disk, a broadcast group (inside SGLang's
+  ``/begin_weight_update`` ... ``/end_weight_update`` session) or, to ``jetrl serve`` only, tensor
+  buckets; the FP8 parity is checked with SGLang's ``/weights_checker`` checksums
+  (``sync/sglang_checksum.py``). In colocated mode it tracks which memory tags each server released,
+  as SGLang does, and resumes only those.
+
+What a retried chunk reproduces: every row carries its own ``sampling_seed`` (``seeded.row_seeds``).
+``jetrl serve`` always samples with SGLang's seeded rule, so a retry gives the same tokens; SGLang uses
+the seed only with ``--enable-deterministic-inference`` (``rollout.deterministic``), otherwise a retry is
+a fresh draw of the same prompts (never a duplicate or a lost sample).
 
 Only global rank 0 launches, restarts and pushes; every data-parallel rank sends its own prompts.
 """
@@ -36,9 +44,18 @@ import torch
 
 from megatron_jetrl.distributed import free_port
 from megatron_jetrl.rollout.base import Generation, SamplingParams
-from megatron_jetrl.sync.transport import bucketize, host_copy, is_fp8_payload, nbytes, tensor_hash
+from megatron_jetrl.rollout.seeded import row_seeds
+from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, compare
+from megatron_jetrl.sync.transport import bucketize, host_copy, nbytes
 
 log = logging.getLogger("jetrl.fleet")
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose HTTP API and weight-update rules this client follows (``jetrl serve``
+reports it too: it follows the same rules)."""
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's ``GPU_MEMORY_ALL_TYPES`` (``srt/constants.py``): what ``/release_memory_occupation`` with no
+tags releases. Resuming a tag that is not released kills SGLang's scheduler (KeyError)."""
 
 
 class ServerError(RuntimeError):
@@ -140,39 +157,62 @@ class SGLangClient:
             return False
 
     def get_weight_version(self) -> str:
-        """``weight_version`` from ``/model_info`` (SGLang >= 0.5); ``/get_weight_version`` on older servers."""
-        try:
-            return str(self.request("/model_info", retries=2)["weight_version"])
-        except ServerError:
-            return str(self.request("/get_weight_version", retries=2)["weight_version"])
+        """``weight_version`` from ``/model_info``."""
+        return str(self.request("/model_info", retries=2)["weight_version"])
 
     def server_info(self) -> dict:
         return self.request("/server_info", retries=2)
 
-    def weight_hashes(self) -> Optional[dict]:
-        """FP8 parity hashes of what the server runs (``jetrl serve`` only; None on SGLang)."""
-        try:
-            return self.request("/jetrl/weight_hashes", retries=1)
-        except ServerError as e:
-            if "HTTP 404" in str(e):
-                return None
-            raise
+    def check_version(self) -> dict:
+        """``/server_info``, refused with one line unless the server speaks ``SGLANG_VERSION``'s API."""
+        info = self.server_info()
+        version = str((info or {}).get("version", "unknown"))
+        if version != SGLANG_VERSION:
+            raise ServerError(f"{self.url}: SGLang {version} is not supported; megatron_jetrl follows SGLang "
+                              f"{SGLANG_VERSION}'s API (pip install sglang=={SGLANG_VERSION})")
+        return info
+
+    def weights_checksum(self) -> dict:
+        """``/weights_checker`` with ``action="checksum"``: per TP rank, the hash of every parameter
+        (block-FP8 weights dequantized to BF16) under SGLang's parameter names."""
+        return self.request("/weights_checker", {"action": "checksum"})
 
     # -- generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: Optional[int] = None,
-                 rid: Optional[str] = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: Optional[list[int]] = None,
+                 rid: Optional[str] = None, per_row: bool = False) -> list[Generation]:
+        """``seeds``: one ``sampling_seed`` per prompt (per-row sampling params, as SGLang's batch
+        requests take them): the samples of one prompt must not share a seed, or SGLang's seeded sampler
+        gives them identical tokens. ``per_row``: one request per prompt, sent concurrently (sglang-router
+        parses ``sampling_params`` as one object, so a batch cannot carry per-row seeds through it)."""
         sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k if params.top_k else -1, "stop_token_ids": list(params.stop_token_ids),
               "no_stop_trim": True}
-        if seed is not None:
-            sp["sampling_seed"] = seed
-        body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True}
+        rows = [sp if seeds is None else dict(sp, sampling_seed=int(x)) for x in (seeds or [None] * len(prompts))]
+        if per_row:
+            def one(i):
+                body = {"input_ids": prompts[i], "sampling_params": rows[i], "return_logprob": True}
+                if rid:
+                    body["rid"] = f"{rid}_{i}"  # SGLang's batch rid, so a row has one id however it travels
+                return parse_generate_response(self.request("/generate", body), [prompts[i]], self.url)[0]
+
+            with ThreadPoolExecutor(min(16, len(prompts))) as ex:
+                return list(ex.map(one, range(len(prompts))))
+        body = {"input_ids": prompts, "sampling_params": rows if seeds is not None else sp, "return_logprob": True}
         if rid:
-            body["rid"] = rid  # a prefix: SGLang expands it per item (sglang-router takes only a string)
+            body["rid"] = rid  # a prefix: SGLang expands it to f"{rid}_{i}"
         out = self.request("/generate", body)
         return parse_generate_response(out, prompts, self.url)
 
     # -- weights
+    def begin_weight_update(self) -> dict:
+        """Open SGLang's weight-update session: ``/update_weights_from_distributed`` and
+        ``/update_weights_from_tensor`` are refused outside one."""
+        return self.request("/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        """Close the session (SGLang finalizes the loaded weights here)."""
+        return self.request("/end_weight_update", {})
+
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict:
         return self.request("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version,
                                                           "flush_cache": True})
@@ -278,6 +318,7 @@ class Server:
     restarts: int = 0
     rank_offset: int = 0
     tp: int = 1
+    released: set = field(default_factory=set)  # memory tags released (SGLang's offload_tags)
     log_file: Optional[object] = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -372,6 +413,8 @@ class RolloutFleet:
             with ThreadPoolExecutor(max(1, len(self.servers))) as ex:
                 list(ex.map(lambda s: s.wait_healthy(self.cfg.rollout.health_timeout_s) if s.cmd else self._attach(s),
                             self.servers))
+            for s in self.servers:
+                self._ready(s)
             if self.router is not None:
                 self.router.start()
                 self.router.wait_healthy(120)
@@ -390,6 +433,14 @@ class RolloutFleet:
             time.sleep(1.0)
         s.up = True
 
+    def _ready(self, s: Server) -> None:
+        """A server just (re)started or attached: its SGLang version is checked; colocated, it releases
+        all its GPU memory (weights, KV cache, CUDA graphs) for the trainer until a phase resumes it."""
+        s.client.check_version()
+        s.released = set()
+        if self.colocated:
+            self._release(s, list(MEMORY_TAGS))
+
     def shutdown(self) -> None:
         if self._group is not None:
             import torch.distributed as dist
@@ -406,9 +457,9 @@ class RolloutFleet:
 
     # -- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int = 0) -> list[Generation]:
-        """All prompts, in order, whatever servers fail on the way. Chunk ``c`` is sampled with seed
-        ``seed + c`` on whichever server runs it, so a retried chunk is a fresh draw of the same
-        chunk, never a duplicate."""
+        """All prompts, in order, whatever servers fail on the way. Row ``i`` is sampled with
+        ``row_seeds(seed, [i])`` on whichever server runs its chunk, so a retried chunk replaces the
+        failed one whole: never a duplicate or a lost sample."""
         cs = self.cfg.rollout.chunk_size
         chunks = [(c, list(range(i, min(i + cs, len(prompts))))) for c, i in enumerate(range(0, len(prompts), cs))]
         results: dict[int, list[Generation]] = {}
@@ -422,7 +473,8 @@ class RolloutFleet:
             if not up:
                 raise ServerError(f"no rollout server is up (last error: {last_error}); see rollout_logs/ in the run directory")
             with ThreadPoolExecutor(max(1, min(len(pending), 4 * len(up)))) as ex:
-                futs = [(ex.submit(s.client.generate, [prompts[i] for i in idx], params, seed + c, f"s{seed}c{c}"), s, c, idx)
+                futs = [(ex.submit(s.client.generate, [prompts[i] for i in idx], params, row_seeds(seed, idx),
+                                   f"s{seed}c{c}", s is self.router), s, c, idx)
                         for k, (c, idx) in enumerate(pending) for s in [up[k % len(up)]]]
             failed = []
             for f, s, c, idx in futs:
@@ -465,6 +517,7 @@ class RolloutFleet:
             log.warning("restarting rollout server %s (restart %d)", s.client.url, s.restarts)
             s.start()
             s.wait_healthy(self.cfg.rollout.health_timeout_s)
+            self._ready(s)
             self._group_members = ()  # the broadcast group lost a member: rebuild it at the next push
         self.metrics["fleet_restarts"] = sum(s.restarts for s in self.servers)
         return len(dead)
@@ -473,39 +526,44 @@ class RolloutFleet:
     def push_weights(self, version: int, items: Iterable[tuple[str, torch.Tensor]], check_parity: bool = True,
                      disk_push: Optional[Callable[[int, Iterable], tuple[str, dict]]] = None) -> dict:
         """Send one version to every server over ``rollout.weight_transport``; returns metrics,
-        including the FP8 parity check against what each server reports it runs with."""
+        including the FP8 parity check of what each server then runs (``/weights_checker``)."""
         t0 = time.perf_counter()
         transport = self.cfg.rollout.weight_transport
-        hashes: dict[str, str] = {}
-
-        def hashed(it):
-            for name, t in it:
-                if check_parity and is_fp8_payload(name, t):
-                    hashes[name] = tensor_hash(t)
-                yield name, t
-
         up = [s for s in self.servers if s.up]
-        sent = 0
-        if transport == "disk":
-            path, m = disk_push(version, hashed(items))
+        if self.colocated:
+            self.resume_memory(["weights"])  # a server restarted by heal() came back released
+        expected = {tp: ExpectedChecksums(tp, self.cfg.model.num_key_value_heads, self.recipe.weight_block[0])
+                    for tp in {s.tp for s in up}} if check_parity and self.recipe.rollout_fp8 else {}
+        for e in expected.values():
+            items = e.wrap(items)
+        if transport == "disk":  # SGLang loads a directory outside any weight-update session
+            path, m = disk_push(version, items)
             sent = m.get("sync_bytes", 0)
             self._each(up, lambda s: s.client.update_weights_from_disk(path, str(version)))
-        elif transport == "tensor":
-            sent = self._push_tensor(up, version, hashed(items))
         else:
-            sent = self._push_distributed(up, version, hashed(items))
+            self._each(up, lambda s: s.client.begin_weight_update())
+            try:
+                sent = (self._push_tensor if transport == "tensor" else self._push_distributed)(up, version, items)
+            finally:  # closed even when a bucket failed: SGLang refuses the next begin while one is open
+                self._each(up, self._end_session)
         self.weight_version = version
         out = {"sync_seconds": time.perf_counter() - t0, "sync_bytes": sent, "parity_checked": 0, "parity_mismatch": 0}
-        if check_parity and hashes:
-            for s in up:
-                got = s.client.weight_hashes()
-                if got is None:
-                    continue
-                if str(got["weight_version"]) != str(version):
-                    raise ServerError(f"{s.client.url}: serves weight_version {got['weight_version']} after pushing {version}")
-                out["parity_checked"] += len(hashes)
-                out["parity_mismatch"] += sum(got["hashes"].get(k) != v for k, v in hashes.items())
+        for s in up:
+            served = s.client.get_weight_version()
+            if served != str(version):
+                raise ServerError(f"{s.client.url}: serves weight_version {served} after pushing {version}")
+            if s.tp in expected:
+                checked, bad = compare(expected[s.tp].ranks, s.client.weights_checksum())
+                out["parity_checked"] += checked
+                out["parity_mismatch"] += bad
         return out
+
+    @staticmethod
+    def _end_session(s: Server) -> None:
+        try:
+            s.client.end_weight_update()
+        except ServerError as e:
+            log.error("%s: /end_weight_update failed (%s)", s.client.url, e)
 
     def _each(self, servers: list[Server], fn) -> list:
         with ThreadPoolExecutor(max(1, len(servers))) as ex:
@@ -521,7 +579,8 @@ class RolloutFleet:
             payload = base64.b64encode(st_save({n: host_copy(t) for n, t in bucket})).decode()
             total += sum(nbytes(t) for _, t in bucket)
             last = nxt is None
-            self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version), last))
+            self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version),
+                                                                         last))
             bucket = nxt
         return total
 
@@ -556,9 +615,13 @@ class RolloutFleet:
                 f.result()
         self._group_members = members
 
-    def _push_distributed(self, up: list[Server], version: int, items) -> int:
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        """One bucket, from this process (rank 0) to every server rank of the weight-update group."""
         import torch.distributed as dist
 
+        dist.broadcast(flat, src=0, group=self._group)
+
+    def _push_distributed(self, up: list[Server], version: int, items) -> int:
         from megatron_jetrl.sync.sglang_bucket import aligned_order, sglang_bucket_class
 
         self._ensure_group(up)
@@ -576,7 +639,7 @@ class RolloutFleet:
             with ThreadPoolExecutor(len(up)) as ex:  # the servers block in the broadcast until we send
                 futs = [ex.submit(s.client.update_weights_from_distributed, names, dtypes, shapes, str(version),
                                   self.group_name, nxt is None) for s in up]
-                dist.broadcast(b.get_flattened_tensor(), src=0, group=self._group)
+                self._broadcast(b.get_flattened_tensor())
                 for f in futs:
                     f.result()
             total += sum(nbytes(t) for _, t in bucket)
@@ -584,13 +647,27 @@ class RolloutFleet:
         return total
 
     # -- memory (colocated)
-    def release_memory(self) -> None:
-        self._each([s for s in self.servers if s.up], lambda s: s.client.release_memory_occupation())
+    def _release(self, s: Server, tags: list[str]) -> None:
+        tags = [t for t in tags if t not in s.released]
+        if tags:
+            s.client.release_memory_occupation(tags)
+            s.released.update(tags)
+
+    def _resume(self, s: Server, tags: list[str]) -> None:
+        tags = [t for t in tags if t in s.released]  # resuming an unreleased tag kills SGLang's scheduler
+        if tags:
+            s.client.resume_memory_occupation(tags)
+            s.released.difference_update(tags)
+
+    def release_memory(self, tags: Optional[list[str]] = None) -> None:
+        """Release ``tags`` (default: all of ``MEMORY_TAGS``) on every server that holds them."""
+        self._each([s for s in self.servers if s.up], lambda s: self._release(s, list(tags or MEMORY_TAGS)))
 
     def resume_memory(self, tags: Optional[list[str]] = None) -> None:
-        """SGLang's tags: ``weights`` (before a push, while the trainer is resident) and ``kv_cache``
-        (before the rollout, once the trainer is offloaded)."""
-        self._each([s for s in self.servers if s.up], lambda s: s.client.resume_memory_occupation(tags))
+        """Resume those of ``tags`` (default: all) each server released: ``weights`` before a push, next to the
+        trainer's params; ``kv_cache`` and ``cuda_graph`` (and ``weights``, if no push came first) before a
+        rollout, once the trainer is offloaded."""
+        self._each([s for s in self.servers if s.up], lambda s: self._resume(s, list(tags or MEMORY_TAGS)))
 
     def update_weights(self, version: int, hashes=None) -> dict:  # RolloutEngine protocol (in-process form)
         raise NotImplementedError("the fleet receives weights through push_weights")

@@ -7,8 +7,10 @@ Both expose ``rollout(step) -> (samples, prompts, generations, metrics)`` and
 - ``Colocated``: engines and trainer on the same GPUs, alternating. With the in-process engine
   nothing moves (it runs the trainer's own model and FP8 cache). With a fleet the trainer's
   params, grads and optimizer state go to host memory for the rollout (``Actor.offload``) and the
-  servers release theirs for training (``/release_memory_occupation``); weights are pushed after
-  the servers resumed.
+  servers release all their GPU memory for training (``/release_memory_occupation``: weights, KV cache,
+  CUDA graphs). The hand-over resumes the servers' weights only, next to the trainer's params, and pushes;
+  the rollout resumes the rest once the trainer is offloaded. The fleet resumes only tags it released
+  (SGLang's scheduler dies on any other).
 - ``Disaggregated``: separate pools; weights go over the fleet's transport (a broadcast group by
   default). With ``async_rollout`` the fleet generates step t+1's samples with the weights of step
   t while step t trains; ``rollout_staleness`` logs how many optimizer steps old the samples are.
@@ -115,7 +117,7 @@ class Colocated(_Base):
             m["mem_after_offload_gb"] = _cuda_gb()
         if fleet:
             if is_rank0():
-                run.engine.resume_memory(["kv_cache"])  # the KV pool only once the trainer is off the GPU
+                run.engine.resume_memory()  # KV pool and CUDA graphs (weights too, before any push) once the trainer is off
             barrier()
         gens = self._generate(step, prompts)
         if fleet:
