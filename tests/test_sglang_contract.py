@@ -124,8 +124,8 @@ def test_push_follows_sglang_weight_update_rules(sglang, transport):
     old_load = sglang.servers[URLS[1]].model.load
     sglang.servers[URLS[1]].model.load = lambda named: old_load(
         [(n, t) for n, t in named if n != "model.layers.1.mlp.down_proj.weight"])
-    m = fleet.push_weights(2, iter(_changed(sglang.tensors, 2).items()), True, _disk_push(sglang, cfg))
-    assert m["parity_mismatch"] == 1
+    with pytest.raises(ServerError, match=r"sglang-1:30000: 1 of 8 FP8 linears differ .* precision.scale_fmt=ue8m0"):
+        fleet.push_weights(2, iter(_changed(sglang.tensors, 2).items()), True, _disk_push(sglang, cfg))
 
 
 def test_push_without_session_is_refused_by_sglang(sglang, monkeypatch):

@@ -52,6 +52,11 @@ python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang
 # What sglang.srt.server_args needs to import (the launch-argument test parses our arguments with
 # SGLang's own ServerArgs); all pure Python or small wheels, none of them pulls torch.
 pip_install orjson msgspec pybase64 requests starlette pyzmq aiohttp pillow ipython
+# ... and what the contract tests' imports of SGLang's io_struct, weight-updater manager, weight checker
+# and sampler pull in (pure Python or small wheels, --no-deps so none of them brings a CUDA torch).
+# torchvision is not among them: its PyPI wheels are CUDA builds (tests/sglang_imports.py stubs it).
+pip_install --no-deps dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0 \
+  openai==3.60.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7 apache-tvm-ffi==0.1.15.post2
 # sglang-router (a Rust binary in a 30 MB wheel): the fleet test runs the real router in front of
 # two `jetrl serve` workers.
 pip_install "sglang-router==0.3.2"

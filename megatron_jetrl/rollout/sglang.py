@@ -556,6 +556,11 @@ class RolloutFleet:
                 checked, bad = compare(expected[s.tp].ranks, s.client.weights_checksum())
                 out["parity_checked"] += checked
                 out["parity_mismatch"] += bad
+                if bad:  # the rollout would sample from other weights than the trainer's: off-policy again
+                    hint = ("; SGLang re-quantizes fp32 block scales to UE8M0 for DeepGEMM on SM100/SM120 GPUs: set "
+                            "precision.scale_fmt=ue8m0 there") if self.recipe.scale_fmt == "fp32" else ""
+                    raise ServerError(f"{s.client.url}: {bad} of {checked} FP8 linears differ from the bytes sent "
+                                      f"(/weights_checker checksums, weight_version {version}){hint}")
         return out
 
     @staticmethod
