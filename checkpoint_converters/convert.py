@@ -13,7 +13,9 @@
   is a function of the parameters: same parameters, same recipe, same bytes).
 
 Both stream tensor by tensor, show a progress bar, and write into ``OUT.tmp`` renamed to ``OUT``
-at the end; on failure nothing is left behind.
+at the end; on failure nothing is left behind. Before anything is written they refuse (one line): an
+``OUT`` that is the source, holds it or lies inside it; a non-empty ``OUT`` or a leftover ``OUT.tmp``
+without ``overwrite``; weights that are not finite without ``allow_nonfinite``.
 """
 from __future__ import annotations
 
@@ -26,6 +28,33 @@ import torch
 
 from megatron_jetrl.distributed import barrier, is_rank0
 from megatron_jetrl.trainer.checkpoint import read_model_config, write_model_config
+
+
+def check_output(src: str, out: str, overwrite: bool) -> None:
+    """Refuse, before anything is written, an output directory that would destroy or pollute the source,
+    or replace something the user has not agreed to."""
+    from megatron_jetrl.models.hf_io import CheckpointError
+
+    s, o = os.path.realpath(src), os.path.realpath(out.rstrip("/"))
+    if s == o or s.startswith(o + os.sep) or o.startswith(s + os.sep):
+        raise CheckpointError(f"checkpoint error: OUT {out!r} {'is' if s == o else 'contains' if s.startswith(o) else 'is inside'} "
+                              f"the source {src!r}; give an output directory outside it")
+    if os.path.exists(o) and not overwrite and (not os.path.isdir(o) or os.listdir(o)):
+        raise CheckpointError(f"checkpoint error: OUT {out!r} exists and is not empty; give a new directory or pass "
+                              "--overwrite to replace it")
+    if os.path.exists(o + ".tmp") and not overwrite:
+        raise CheckpointError(f"checkpoint error: {o + '.tmp'!r} exists (an interrupted conversion?); remove it or "
+                              "pass --overwrite")
+
+
+def _check_finite(model, where: str, allow: bool) -> None:
+    from megatron_jetrl.models.hf_io import CheckpointError
+    from megatron_jetrl.trainer.checkpoint import nonfinite_tensors
+
+    bad = nonfinite_tensors(model)
+    if bad and not allow:
+        raise CheckpointError(f"checkpoint error: {where}: {len(bad)} weight tensors hold NaN/inf (e.g. {bad[0]}); "
+                              "pass --allow-nonfinite to convert them anyway")
 
 
 def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
@@ -41,17 +70,25 @@ def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = (),
-                   dtype: torch.dtype = torch.bfloat16) -> str:
+                   dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, allow_nonfinite: bool = False) -> str:
     from megatron.core import dist_checkpointing
 
     from megatron_jetrl.config import ModelConfig
-    from megatron_jetrl.models.hf_io import load_hf_weights
+    from megatron_jetrl.models.hf_io import CheckpointError, load_hf_weights
 
+    check_output(hf_dir, out_dir, overwrite)
     model_cfg = ModelConfig(hf_path=hf_dir)
     model, state = _build(model_cfg, list(parallel_overrides), dtype)
     tmp = out_dir.rstrip("/") + ".tmp"
     try:
-        load_hf_weights(model, model_cfg, hf_dir, state, progress=is_rank0())
+        try:
+            load_hf_weights(model, model_cfg, hf_dir, state, progress=is_rank0())
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors/json errors of a damaged file: one line
+            raise CheckpointError(f"checkpoint error: {hf_dir!r} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); is a file truncated?") from None
+        _check_finite(model, hf_dir, allow_nonfinite)
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
@@ -71,7 +108,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = ()
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_dir: Optional[str] = None,
-                   shard_bytes: int = 5 << 30, model_cfg=None, parallel_overrides: list[str] = ()) -> str:
+                   shard_bytes: int = 5 << 30, model_cfg=None, parallel_overrides: list[str] = (),
+                   overwrite: bool = False, allow_nonfinite: bool = False) -> str:
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -89,16 +127,21 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise CheckpointError(f"checkpoint error: {ckpt_dir!r} has no metadata.json: not a torch_dist checkpoint "
                               "(or an unfinished one); pick a complete checkpoint directory")
+    check_output(ckpt_dir, out_dir, overwrite)
     model_cfg = model_cfg or read_model_config(ckpt_dir)
     # Under torchrun with a layout (parallel.*), each rank loads only its shard from the torch_dist
     # checkpoint and writes its own safetensors files: no rank holds the whole model.
     model, state = _build(model_cfg, list(parallel_overrides), torch.bfloat16)
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
-    except Exception as e:  # megatron raises several types for missing/mismatched keys and shapes
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - megatron raises several types; torch's CheckpointException
+        # (a truncated .distcp shard) derives from BaseException
         raise CheckpointError(f"checkpoint error: {ckpt_dir!r} does not match the model description "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check model_config.json") from None
     model.load_state_dict(loaded["model"])
+    _check_finite(model, ckpt_dir, allow_nonfinite)
     refresh_fp8_weights(model, state)
     recipe = FP8Recipe()
     opts = ExportOptions(fp8=dtype == "fp8")

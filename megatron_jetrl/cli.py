@@ -24,6 +24,8 @@ def cmd_train(args) -> int:
     overrides = list(args.overrides)
     if args.resume:
         overrides.append("checkpoint.resume=true")
+    if args.overwrite:
+        overrides.append("checkpoint.overwrite=true")
     if args.run_dir:
         overrides.append(f"logging.run_dir={args.run_dir}")
     try:
@@ -36,10 +38,11 @@ def cmd_train(args) -> int:
     from megatron_jetrl.models.hf_io import CheckpointError
     from megatron_jetrl.rollout.sglang import ServerError
     from megatron_jetrl.train import train
+    from megatron_jetrl.errors import TrainingError
 
     try:
         train(cfg)
-    except (ConfigError, CheckpointError, DataError) as e:
+    except (ConfigError, CheckpointError, DataError, TrainingError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
     except ServerError as e:  # the rollout fleet: a refused server, or one that stayed down
@@ -83,9 +86,11 @@ def cmd_convert(args) -> int:
     try:
         if args.direction == "hf-to-megatron":
             out = hf_to_megatron(args.src, args.out, args.overrides,
-                                 {"bf16": torch.bfloat16, "fp32": torch.float32}[args.params_dtype])
+                                 {"bf16": torch.bfloat16, "fp32": torch.float32}[args.params_dtype],
+                                 overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
         else:
-            out = megatron_to_hf(args.src, args.out, args.dtype, args.tokenizer, parallel_overrides=args.overrides)
+            out = megatron_to_hf(args.src, args.out, args.dtype, args.tokenizer, parallel_overrides=args.overrides,
+                                 overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
@@ -103,7 +108,9 @@ def main(argv=None) -> int:
     t.add_argument("--preset", help="preset name in examples/configs (e.g. tiny)")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--run-dir", help="run directory (logging.run_dir)")
-    t.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in the run directory")
+    t.add_argument("--resume", action="store_true", help="resume from the newest intact checkpoint in the run directory")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in a run directory that holds another run, deleting its checkpoints and metrics")
     t.add_argument("--plot", action="store_true", help="write curves.png into the run directory at the end")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=cmd_train)
@@ -117,6 +124,8 @@ def main(argv=None) -> int:
     c.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="megatron-to-hf: output format")
     c.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16", help="hf-to-megatron: stored dtype")
     c.add_argument("--tokenizer", help="megatron-to-hf: copy tokenizer files from this directory")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (never one holding SRC)")
+    c.add_argument("--allow-nonfinite", action="store_true", help="convert weights that hold NaN/inf")
     c.add_argument("overrides", nargs="*", help="layout to run the conversion in (under torchrun): "
                                                 "parallel.tensor_parallel=2 parallel.pipeline_parallel=2 ...")
     c.set_defaults(fn=cmd_convert)
@@ -161,7 +170,11 @@ def main(argv=None) -> int:
         name = "mismatch" if argv[0] == "mismatch" else argv[1]
         importlib.import_module(f"megatron_jetrl.bench.{name}").main(argv[1 if argv[0] == "mismatch" else 2:])
         return 0
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # key=value overrides may come after options too (argparse ends a positional list at the first option)
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

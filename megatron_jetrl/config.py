@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -389,9 +390,18 @@ class AlgoConfig:
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up steps (default: ``lr``)."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradients are not finite skips its update (``skipped_steps`` counts them);
+    this many skipped in a row stop the run, with the last checkpoint (all finite) still ``latest``."""
 
     def __post_init__(self):
-        _positive(self, "algo", "lr", "micro_batch_size")
+        _positive(self, "algo", "lr", "micro_batch_size", "max_skipped_steps")
+        for name in ("sft_warmup_steps", "lr_warmup_steps", "grad_clip", "clip_eps_low", "clip_eps_high", "kl_coef",
+                     "entropy_coef", "weight_decay"):
+            _check(getattr(self, name) >= 0, f"algo.{name}", f"must be >= 0, got {getattr(self, name)!r}",
+                   "give a non-negative value")
+        _check(self.sft_lr is None or self.sft_lr > 0, "algo.sft_lr", f"must be > 0, got {self.sft_lr!r}",
+               "give a positive learning rate or null (= algo.lr)")
         _check(self.pad_tokens_to >= -1, "algo.pad_tokens_to", f"{self.pad_tokens_to} < -1",
                "use -1 (auto), 0 (off) or a positive token multiple such as 512")
         _check(self.tis_cap is None or self.tis_cap >= 1.0, "algo.tis_cap",
@@ -437,11 +447,21 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N RL steps (0 = only at the end)."""
     resume: bool = False
-    """Resume from the newest checkpoint in the run directory."""
+    """Resume from the newest intact checkpoint in the run directory (an error when there is none; the
+    model, seed and precision mode must be the checkpoint's)."""
+    overwrite: bool = False
+    """Start a fresh run in a run directory that holds another run's checkpoints or metrics, deleting them
+    (``jetrl train --overwrite``); without it such a directory is refused."""
     load_path: Optional[str] = None
     """Start from the model weights of a megatron-core checkpoint (e.g. ``jetrl convert
     hf-to-megatron``'s output, any TP/PP layout: each rank reads only its shard); the optimizer
     starts fresh. Ignored when resuming."""
+
+    def __post_init__(self):
+        _check(self.save_interval >= 0, "checkpoint.save_interval", f"must be >= 0, got {self.save_interval}",
+               "use 0 (only at the end) or a positive step count")
+        _check(not (self.resume and self.overwrite), "checkpoint.overwrite", "given with checkpoint.resume",
+               "resume (keep the run) or overwrite (start again), not both")
 
 
 @dataclass(kw_only=True)
@@ -567,8 +587,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                f"expected an integer, got {value!r}", "give an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
                f"expected a number, got {value!r}", "give a number")
+        _check(math.isfinite(value), path, f"{value!r} is not finite", "give a finite number")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), path, f"expected a string, got {value!r}", "quote the value")
@@ -602,13 +628,24 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     data: dict = {}
     if path:
         _check(os.path.isfile(path), "--config", f"file {path!r} not found", "give an existing YAML file")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            _fail("--config", f"{path} is not valid YAML{where} ({getattr(e, 'problem', None) or type(e).__name__})",
+                  "fix the file")
         _check(isinstance(data, dict), "--config", "top level is not a mapping", "write key: value pairs")
     for item in overrides:
         _check("=" in item, item, "override without '='", "write key.sub=value")
         key, raw = item.split("=", 1)
-        _set_path(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            _fail(key.strip(), f"{raw!r} is not a valid YAML value ({getattr(e, 'problem', None) or type(e).__name__})",
+                  "quote strings, write lists as [a,b]")
+        _set_path(data, key.strip(), value)
     return _build(JetConfig, data)
 
 

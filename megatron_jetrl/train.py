@@ -24,7 +24,8 @@ from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
 from megatron_jetrl.sync.transport import InProcessTransport
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.actor import Actor, RLBatch, build_batch
-from megatron_jetrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_jetrl.errors import TrainingError
+from megatron_jetrl.trainer.checkpoint import checkpoints, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 
 log = logging.getLogger("jetrl")
 
@@ -103,12 +104,64 @@ def is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+# What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
+# The settings a resumed run must share with the run it continues.
+SAME_RUN_KEYS = ("model", "seed", "precision.mode", "precision.scale_fmt", "data.path", "data.reward")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_run_dir(cfg: JetConfig) -> str | None:
+    """Before anything is written: the checkpoint to resume from (None for a fresh run). ``--resume`` needs an
+    intact checkpoint of a run with the same model, seed and precision; a fresh run needs a run directory
+    without another run's checkpoints or metrics (or ``checkpoint.overwrite``). One-line ``ConfigError``s."""
+    import yaml
+
+    from megatron_jetrl.config import config_to_dict
+
+    run_dir = cfg.logging.run_dir
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if cfg.checkpoint.resume:
+        path = newest_intact_checkpoint(ckpt_dir)
+        if path is None:
+            raise ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
+                              "--resume, or give the run directory that holds the run")
+        saved = os.path.join(run_dir, "config.yaml")
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                old = _flat(yaml.safe_load(f) or {})
+            new = _flat(config_to_dict(cfg))
+            diff = [k for k in sorted(new) if k.startswith(SAME_RUN_KEYS) and k in old and old[k] != new[k]]
+            if diff:
+                raise ConfigError(f"config error: {diff[0]}: the run in {run_dir} has {old[diff[0]]!r}, this config "
+                                  f"{new[diff[0]]!r}{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; "
+                                  "resume with the run's own settings (its config.yaml)")
+        return path
+    held = [os.path.basename(p) for p in checkpoints(ckpt_dir)]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics):
+        held.append("metrics.jsonl")
+    if held and not cfg.checkpoint.overwrite:
+        raise ConfigError(f"config error: logging.run_dir: {run_dir} holds another run ({', '.join(held[:3])}"
+                          f"{', ...' if len(held) > 3 else ''}); resume it with --resume, use another --run-dir, "
+                          "or pass --overwrite to delete it")
+    return None
+
+
 def setup(cfg: JetConfig) -> Run:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.hf_io import load_hf_weights
 
     samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
                else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))  # bad data fails before any process group
+    reward_fn = get_reward(cfg.data.reward)
+    resume_path = check_run_dir(cfg)
     init_distributed(cfg.parallel, cfg.seed)
     tok = load_tokenizer(cfg.model.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -138,7 +191,8 @@ def setup(cfg: JetConfig) -> Run:
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     start, resume_step = 0, None
-    if cfg.checkpoint.resume and (path := latest_checkpoint(ckpt_dir)):
+    if resume_path:
+        path = resume_path
         loop = load_checkpoint(path, actor)
         from megatron_jetrl.precision.linear import refresh_fp8_weights
 
@@ -153,13 +207,21 @@ def setup(cfg: JetConfig) -> Run:
         load_model_weights(cfg.checkpoint.load_path, actor)
         refresh_fp8_weights(actor.module, fp8_state)
         log.info("model weights from %s", cfg.checkpoint.load_path)
+    if cfg.checkpoint.overwrite and is_rank0():  # the user asked: the previous run's files go
+        import shutil
+
+        for name in RUN_FILES:
+            p = os.path.join(run_dir, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.path.exists(p) and os.remove(p)
+    if dist.is_initialized():
+        dist.barrier()
     if is_logging_rank():
         os.makedirs(ckpt_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, resume_step) if is_logging_rank() else None
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                               cfg.rollout.top_k, (tok.eos_id,))
-    run = Run(cfg, tok, actor, engine, stream, get_reward(cfg.data.reward), logger, sampling, start, ckpt_dir)
+    run = Run(cfg, tok, actor, engine, stream, reward_fn, logger, sampling, start, ckpt_dir)
     from megatron_jetrl.scheduler import make_scheduler
 
     run.scheduler = make_scheduler(run)
@@ -316,10 +378,15 @@ def _loop(run: Run) -> None:
         metrics = sft_step(run) if step < cfg.algo.sft_warmup_steps else rl_step(run, step)
         if run.logger:
             run.logger.log(step, metrics)
+        if run.actor.skipped_in_a_row >= cfg.algo.max_skipped_steps:
+            raise TrainingError(f"step {step}: {run.actor.skipped_in_a_row} updates in a row skipped for non-finite "
+                                f"loss or gradients (algo.max_skipped_steps); lower algo.lr, the newest checkpoint "
+                                f"stays {newest_intact_checkpoint(run.ckpt_dir) or 'none'}")
         bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "sft_loss", "mismatch_abs_mean")
                          if k in metrics})
         last = step == total - 1
-        if last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0):
+        due = last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
+        if due and run.actor.skipped_in_a_row == 0:  # after a skipped update the newest checkpoint already holds it
             run.actor.reload()  # a colocated hand-over leaves the optimizer state on the host
             save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
 

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data.prompts import PromptStream, load_prompts, synthetic_arithmetic
 from megatron_jetrl.data.tokenizer import CharTokenizer
 from megatron_jetrl.rewards import get_reward, register_reward
@@ -32,7 +33,7 @@ def test_numeric_equivalence(pred, ref, ok):
 def test_registry():
     fn = get_reward("math")
     assert fn("#### 12", "12", {}) == 1.0 and fn("#### 11", "12", {}) == 0.0
-    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+    with pytest.raises(ConfigError, match="data.reward: unknown reward .nope."):
         get_reward("nope")
 
     @register_reward("length_test")

@@ -18,5 +18,7 @@ def get_reward(name: str) -> RewardFn:
     from megatron_jetrl.rewards import math as _math  # noqa: F401  (registers the built-ins)
 
     if name not in _REGISTRY:
-        raise KeyError(f"data.reward: unknown reward {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        from megatron_jetrl.config import ConfigError
+
+        raise ConfigError(f"config error: data.reward: unknown reward {name!r}; use one of {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]

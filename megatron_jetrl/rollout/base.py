@@ -82,5 +82,14 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
         ids = seeded_sample(torch.log_softmax(filtered, -1), row_seeds, positions)
     else:
-        ids = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
+        probs = filtered.softmax(-1)
+        try:
+            ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        except RuntimeError:
+            if bool(torch.isfinite(probs).all()):
+                raise
+            from megatron_jetrl.errors import TrainingError
+
+            raise TrainingError("rollout: the policy's next-token probabilities are not finite (the weights "
+                                "diverged); lower algo.lr and resume from the newest checkpoint") from None
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)

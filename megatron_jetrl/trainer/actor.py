@@ -247,6 +247,8 @@ class Actor:
             lr_decay_style="constant", start_wd=algo.weight_decay, end_wd=algo.weight_decay,
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.steps = 0
+        self.skipped_steps = 0     # optimizer steps skipped for non-finite gradients (in a checkpoint's loop state)
+        self.skipped_in_a_row = 0
         self.ref_model = None
         self._offloader = None
         self._releasable = self._release_candidates()
@@ -378,7 +380,12 @@ class Actor:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         released = self.restore_weights(values=False)  # storage only: the step writes every byte from the masters
-        ok, grad_norm, _ = self.optimizer.step()
+        if self._grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # megatron's BF16/FP32 optimizers would apply them: NaN weights from here on
+            ok, grad_norm = False, float("nan")
+        self.skipped_steps += not ok
+        self.skipped_in_a_row = 0 if ok else self.skipped_in_a_row + 1
         if released and not ok:  # a skipped step (non-finite gradients) wrote nothing: the old bytes back
             self._restore_values()
         self.scheduler.step(increment=1)
@@ -386,8 +393,21 @@ class Actor:
         requant = refresh_fp8_weights(self.module, self.fp8_state)
         self.release_weights()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "update_ok": float(bool(ok)),
+                "skipped_steps": float(self.skipped_steps),
                 "lr": self.optimizer.param_groups[0]["lr"], "time_fp8_requant": requant,
                 "time_optimizer": time.perf_counter() - t0 - requant}
+
+    @torch.no_grad()
+    def _grads_finite(self) -> bool:
+        """Every gradient of this step finite, agreed by every rank (one pass over the DDP gradient buffers
+        and one all-reduce of a flag): a non-finite loss or gradient skips the update everywhere."""
+        bad = torch.zeros((), dtype=torch.float32, device=next(self.module.parameters()).device)
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            if buf.grad_data is not None:
+                bad = torch.maximum(bad, (~torch.isfinite(buf.grad_data)).any().float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     @torch.no_grad()
     def _restore_values(self) -> None:

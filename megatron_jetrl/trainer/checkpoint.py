@@ -1,15 +1,72 @@
 """Checkpoints: megatron dist_checkpointing (torch_dist) of model + optimizer + LR schedule, plus
 the loop state (step, prompt stream, RNG), written to ``step_N.tmp`` and renamed when complete;
-``latest`` names the newest complete one. A crash leaves at most a ``.tmp`` that is ignored."""
+``latest`` names the newest complete one. A crash leaves at most a ``.tmp`` that is ignored.
+
+Integrity: ``checksums.json`` (size and CRC-32 of every file, written last) lets a resume skip a
+checkpoint that was truncated or corrupted afterwards and fall back to the newest intact one. A
+checkpoint is never written from non-finite weights (``TrainingError``)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import zlib
 
 import torch
 
 from megatron_jetrl.distributed import barrier, is_rank0
+from megatron_jetrl.errors import TrainingError
+
+log = logging.getLogger("jetrl.checkpoint")
+CHECKSUMS_FILE = "checksums.json"
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_checksums(directory: str) -> dict[str, list[int]]:
+    """{relative path: [size, crc32]} of every file under ``directory`` but the checksum file itself."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory)
+            if rel != CHECKSUMS_FILE:
+                out[rel] = [os.path.getsize(path), _crc32(path)]
+    return out
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from (missing, truncated or changed files), or None."""
+    sums = os.path.join(path, CHECKSUMS_FILE)
+    if not os.path.isfile(sums):
+        return f"no {CHECKSUMS_FILE} (unfinished)"
+    try:
+        with open(sums) as f:
+            want = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{CHECKSUMS_FILE} unreadable ({type(e).__name__})"
+    for rel, (size, crc) in sorted(want.items()):
+        p = os.path.join(path, rel)
+        if not os.path.isfile(p):
+            return f"{rel} missing"
+        if os.path.getsize(p) != size:
+            return f"{rel} is {os.path.getsize(p)} bytes, {size} were written"
+        if _crc32(p) != crc:
+            return f"{rel} changed since it was written (CRC-32)"
+    return None
+
+
+def nonfinite_tensors(module) -> list[str]:
+    """Names of ``module``'s parameters that hold a NaN or inf."""
+    return [n for n, p in module.named_parameters() if p.numel() and not bool(torch.isfinite(p.detach()).all())]
 
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -43,12 +100,20 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
     final = os.path.join(ckpt_root, f"step_{step}")
     tmp = final + ".tmp"
     rank0 = is_rank0()
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
     released = actor.restore_weights()  # released BF16 weights (precision.release_bf16_weights) are saved too
     try:
+        bad = nonfinite_tensors(actor.module)
+        count = torch.tensor([float(len(bad))], device=next(actor.module.parameters()).device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(count)
+        if count.item():
+            raise TrainingError(f"refusing to checkpoint step {step}: {int(count.item())} weight tensors are not "
+                                f"finite ({', '.join(bad[:3]) or 'on another rank'}); the newest checkpoint stays "
+                                f"{latest_checkpoint(ckpt_root) or 'none'}")
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
         model_sd = actor.module.sharded_state_dict()
         sharded = {"model": model_sd,
                    "optimizer": actor.optimizer.sharded_state_dict(
@@ -59,11 +124,14 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
             actor.release_weights()
     if rank0:
         state = dict(loop_state, step=step, scheduler=actor.scheduler.state_dict(), actor_steps=actor.steps,
-                     torch_rng=torch.get_rng_state().tolist())
+                     skipped_steps=actor.skipped_steps, torch_rng=torch.get_rng_state().tolist())
         with open(os.path.join(tmp, "loop_state.json"), "w") as f:
             json.dump(state, f)
         if model_cfg is not None:
             write_model_config(tmp, model_cfg)
+        sums = file_checksums(tmp)
+        with open(os.path.join(tmp, CHECKSUMS_FILE), "w") as f:
+            json.dump(sums, f)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -81,6 +149,33 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
     with open(marker) as f:
         path = os.path.join(ckpt_root, f.read().strip())
     return path if os.path.isfile(os.path.join(path, "loop_state.json")) else None
+
+
+def checkpoints(ckpt_root: str) -> list[str]:
+    """The complete checkpoint directories (``step_N``, renamed from ``.tmp``), newest first."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    steps = [(int(m.group(1)), d) for d in os.listdir(ckpt_root) if (m := re.fullmatch(r"step_(\d+)", d))]
+    return [os.path.join(ckpt_root, d) for _, d in sorted(steps, reverse=True)]
+
+
+def newest_intact_checkpoint(ckpt_root: str) -> str | None:
+    """The newest checkpoint, from the one ``latest`` names down, whose files match their checksums; each
+    newer one skipped is named in a one-line warning."""
+    found = checkpoints(ckpt_root)
+    marker = os.path.join(ckpt_root, "latest")
+    try:
+        with open(marker) as f:
+            named = os.path.join(ckpt_root, f.read().strip())
+        found = found[found.index(named):] if named in found else found
+    except OSError:
+        pass
+    for path in found:
+        why = checkpoint_problem(path)
+        if why is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, why)
+    return None
 
 
 def load_model_weights(path: str, actor) -> None:
@@ -113,5 +208,6 @@ def load_checkpoint(path: str, actor) -> dict:
         loop = json.load(f)
     actor.scheduler.load_state_dict(loop["scheduler"])
     actor.steps = loop["actor_steps"]
+    actor.skipped_steps = loop.get("skipped_steps", 0)
     torch.set_rng_state(torch.tensor(loop["torch_rng"], dtype=torch.uint8))
     return loop

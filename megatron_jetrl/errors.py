@@ -1,0 +1,5 @@
+"""Errors that end a run with one line (the CLI prints the message, no traceback)."""
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on: non-finite weights, gradients or logits."""
