@@ -570,3 +570,111 @@ def test_train_refuses_an_unsupported_sglang_version(tmp_path):
     assert out.returncode == 3
     last = out.stderr.strip().splitlines()[-1]
     assert "SGLang 0.4.6 is not supported" in last and "sglang==0.5.23" in last
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults around the phases
+
+
+def test_colocated_fleet_survives_a_server_killed_between_steps(fp8_dir, tmp_path):
+    """A worker killed while the trainer trains (its memory released): the rollout's resume leaves it out
+    instead of ending the run, generation goes to the others, and the next push restarts it and brings it to
+    the current weights."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.hf_io import HFCheckpoint
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    cfg = load_config(None, ["rollout.engine=serve", "rollout.num_servers=2", "rollout.chunk_size=2",
+                             "rollout.weight_transport=tensor", "precision.params_dtype=fp32",
+                             "model.num_key_value_heads=4", f"logging.run_dir={tmp_path}"])
+    fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(tmp_path), fp8_dir, colocated=True)
+    fleet.start()
+    try:
+        ckpt = HFCheckpoint(fp8_dir)
+        prompts = [[i + 1, 3] for i in range(6)]
+        fleet.push_weights(1, ((n, ckpt.raw(n)) for n in ckpt.keys()))
+        fleet.resume_memory()
+        reference = fleet.generate(prompts, PARAMS, seed=5)
+        fleet.release_memory()  # training
+        victim = fleet.servers[1]
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        fleet.resume_memory()  # the next rollout
+        assert not victim.up and fleet.servers[0].up
+        gens = fleet.generate(prompts, PARAMS, seed=5)
+        assert [g.output_ids for g in gens] == [g.output_ids for g in reference]  # per-row seeds
+        fleet.release_memory()
+        fleet.resume_memory(["weights"])  # the hand-over
+        assert fleet.heal() == 1 and victim.up and victim.restarts == 1
+        m = fleet.push_weights(2, ((n, ckpt.raw(n)) for n in ckpt.keys()))
+        assert m["parity_mismatch"] == 0 and m["parity_checked"] == 2 * _sglang_linears(ckpt.keys())
+        assert [s.client.get_weight_version() for s in fleet.servers] == ["2", "2"]
+    finally:
+        fleet.shutdown()
+
+
+def test_servers_die_with_their_launcher(fp8_dir, tmp_path):
+    """A trainer killed with SIGKILL takes its rollout workers with it (they run in their own session)."""
+    script = (f"import sys, time\nsys.path.insert(0, {REPO!r})\n"
+              "from megatron_jetrl.rollout.sglang import Server, SGLangClient\n"
+              "from megatron_jetrl.distributed import free_port\n"
+              "port = free_port()\n"
+              f"s = Server(SGLangClient(f'http://127.0.0.1:{{port}}'), [sys.executable, '-m', 'megatron_jetrl.cli', "
+              f"'serve', '--model-path', {fp8_dir!r}, '--port', str(port), '--params-dtype', 'fp32'], {str(tmp_path / 's.log')!r})\n"
+              "s.start(); s.wait_healthy(120); print(s.proc.pid, flush=True); time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):  # exited, waiting to be reaped by init
+                break
+        time.sleep(0.2)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the server outlived its launcher")
+
+
+def test_serve_refuses_bad_values_and_holds_64_clients(fp8_dir, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_jetrl.models.hf_io import HFCheckpoint
+
+    proc, client = _serve(fp8_dir, tmp_path / "s.log")
+    try:
+        url = client.url
+        for body, field in (({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}},
+                             "sampling_params.max_new_tokens: expected a integer"),
+                            ({"input_ids": "12"}, "input_ids: expected a list"),
+                            ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob: expected a boolean")):
+            status, ans = _raw(url + "/generate", json.dumps(body).encode())
+            assert status == 400 and ans["error"]["message"].startswith(field), ans
+        status, ans = _raw(url + "/slow_down", json.dumps({"forward_sleep_time": -1}).encode())
+        assert status == 400 and ans["message"].startswith("forward_sleep_time")
+        status, ans = _raw(url + "/slow_down", json.dumps({"forward_sleep_time": "x"}).encode())
+        assert status == 400 and ans["message"].startswith("forward_sleep_time: expected a")
+        # a weight update holding NaN is refused whole; generation goes on with the old weights
+        ckpt = HFCheckpoint(fp8_dir)
+        new = {n: ckpt.raw(n) for n in ckpt.keys()}
+        w = "model.layers.0.mlp.up_proj.weight_scale_inv"
+        new[w] = new[w].clone()
+        new[w][0, 0] = float("inf")
+        client.begin_weight_update()
+        with pytest.raises(ServerError, match=f"HTTP 400: {w}: holds NaN/inf"):
+            client.update_weights_from_tensor([_st_payload(new)], "jetrl_safetensors", "1", True)
+        client.end_weight_update()
+        assert client.get_weight_version() == "0"
+        # 64 concurrent clients: none is reset (the listen backlog was 5)
+        with ThreadPoolExecutor(64) as ex:
+            outs = list(ex.map(lambda i: client.generate([[i % 50 + 1, 2]], SamplingParams(max_new_tokens=2), [i]),
+                               range(64)))
+        assert len(outs) == 64 and all(len(o[0].output_ids) == 2 for o in outs)
+    finally:
+        proc.kill()

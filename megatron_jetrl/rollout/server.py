@@ -84,6 +84,39 @@ REQUEST_FIELDS = {
     "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags"}),
     "/slow_down": ("SlowDownReqInput", {"forward_sleep_time"}),
 }
+# The JSON type of every field read (SGLang's pydantic models refuse others the same way): one 400 naming it.
+_INT, _NUM, _STR, _BOOL, _LIST, _DICT = (int,), (int, float), (str,), (bool,), (list,), (dict,)
+FIELD_TYPES = {
+    "/generate": {"rid": _STR + _LIST, "input_ids": _LIST, "sampling_params": _DICT + _LIST, "return_logprob": _BOOL,
+                  "logprob_start_len": _INT, "stream": _BOOL, "text": _STR + _LIST},
+    "/update_weights_from_disk": {"model_path": _STR, "load_format": _STR, "weight_version": _STR,
+                                  "flush_cache": _BOOL},
+    "/update_weights_from_tensor": {"serialized_named_tensors": _LIST, "load_format": _STR, "weight_version": _STR,
+                                    "flush_cache": _BOOL},
+    "/init_weights_update_group": {"master_address": _STR, "master_port": _INT, "rank_offset": _INT,
+                                   "world_size": _INT, "group_name": _STR, "backend": _STR},
+    "/update_weights_from_distributed": {"names": _LIST, "dtypes": _LIST, "shapes": _LIST, "group_name": _STR,
+                                         "weight_version": _STR, "load_format": _STR, "flush_cache": _BOOL},
+    "/destroy_weights_update_group": {"group_name": _STR},
+    "/weights_checker": {"action": _STR, "skip_tensor_list": _LIST},
+    "/release_memory_occupation": {"tags": _LIST},
+    "/resume_memory_occupation": {"tags": _LIST},
+    "/slow_down": {"forward_sleep_time": _NUM},
+}
+SAMPLING_TYPES = {"max_new_tokens": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "stop_token_ids": _LIST,
+                  "sampling_seed": _INT, "skip_special_tokens": _BOOL, "no_stop_trim": _BOOL}
+
+
+def check_types(body: dict, types: dict, prefix: str = "") -> None:
+    """Each present, non-null field of ``body`` has its JSON type (a bool is no number here)."""
+    for k, want in types.items():
+        v = body.get(k)
+        if v is not None and (not isinstance(v, want) or (isinstance(v, bool) and bool not in want)):
+            names = "/".join({int: "integer", float: "number", str: "string", bool: "boolean", list: "list",
+                              dict: "object"}[t] for t in want)
+            raise RequestError(f"{prefix}{k}: expected a {names}, got {json.dumps(v)[:40]}")
+
+
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
                    "skip_special_tokens", "no_stop_trim"}
 OPEN_ENDPOINTS = {"/generate", "/health", "/health_generate", "/model_info", "/get_model_info",
@@ -174,6 +207,9 @@ class ServeEngine:
         _need(len(rows) == len(prompts) and all(isinstance(r, dict) for r in rows),
               f"sampling_params: one dict, or one per prompt ({len(prompts)})")
         for r in rows:
+            check_types(r, SAMPLING_TYPES, "sampling_params.")
+            _need(all(_is_int_list(x) for x in [r.get("stop_token_ids") or []]),
+                  "sampling_params.stop_token_ids: a list of token ids")
             unknown = set(r) - SAMPLING_FIELDS
             if unknown:
                 raise RequestError(f"sampling_params.{sorted(unknown)[0]}: not supported by jetrl serve; "
@@ -251,6 +287,8 @@ class ServeEngine:
                 shape, dtype = self.manifest[name]
                 if tuple(t.shape) != shape or t.dtype != dtype:
                     raise RequestError(f"{name}: got {tuple(t.shape)} {t.dtype}, the model needs {shape} {dtype}")
+                if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+                    raise RequestError(f"{name}: holds NaN/inf; the update is refused (the sender's weights diverged)")
         except RequestError:
             self.staged, self.staged_version = {}, None
             raise
@@ -405,6 +443,13 @@ class ServeEngine:
                 received[n] = t
         return self.stage({k: v.cpu() for k, v in received.items()}, body.get("weight_version"))
 
+    def slow_down(self, body: dict) -> dict:
+        """SGLang's testing aid: every forward sleeps this long (null or 0: off)."""
+        t = body.get("forward_sleep_time") or 0.0
+        _need(0 <= t <= 3600, "forward_sleep_time: seconds in [0, 3600] (or null)")
+        self.sleep_s = float(t)
+        return {}
+
     # -- memory ------------------------------------------------------------------------------------
     @staticmethod
     def _tags(body: dict) -> list[str]:
@@ -500,6 +545,7 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                 if unknown:
                     log.debug("%s: ignoring unknown fields %s", path, ", ".join(unknown))
                 body = {k: v for k, v in body.items() if k not in unknown}
+            check_types(body, FIELD_TYPES.get(path, {}))
             return body
 
         def _dispatch(self, method: str) -> None:
@@ -526,7 +572,7 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                     "/flush_cache": lambda: "Cache flushed.\n",
                     "/release_memory_occupation": lambda: state.release(body),
                     "/resume_memory_occupation": lambda: state.resume(body),
-                    "/slow_down": lambda: (setattr(state, "sleep_s", float(body.get("forward_sleep_time") or 0.0)), {})[1],
+                    "/slow_down": lambda: state.slow_down(body),
                 }
                 if path not in routes:
                     raise RequestError(f"{path}: no such endpoint", HTTPStatus.NOT_FOUND)
@@ -572,6 +618,7 @@ def serve(args: argparse.Namespace) -> int:
     # server's bind ephemeral ports, which could otherwise land on ours while the model loads
     # (seen in CI: "Address already in use"). Listening starts once the engine is ready.
     server = ThreadingHTTPServer((args.host, args.port), BaseHTTPRequestHandler, bind_and_activate=False)
+    server.request_queue_size = 256  # listen backlog (the default 5 reset concurrent clients of a busy worker)
     try:
         server.server_bind()
         state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max)

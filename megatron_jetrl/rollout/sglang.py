@@ -322,10 +322,12 @@ class Server:
     log_file: Optional[object] = field(default=None, repr=False)
 
     def start(self) -> None:
+        """Launch in its own session (its process tree is stopped as one), tied to this process: it gets
+        SIGTERM when this process dies, however it dies (Linux ``PR_SET_PDEATHSIG``)."""
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log_file = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env=server_env(), start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -355,6 +357,20 @@ class Server:
             self.log_file.close()
             self.log_file = None
         self.up = False
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the child gets SIGTERM when ``parent`` (its launching thread's process) dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm():
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 def _tail(path: Optional[str], n: int = 1) -> str:
@@ -539,7 +555,7 @@ class RolloutFleet:
         if transport == "disk":  # SGLang loads a directory outside any weight-update session
             path, m = disk_push(version, items)
             sent = m.get("sync_bytes", 0)
-            self._each(up, lambda s: s.client.update_weights_from_disk(path, str(version)))
+            self._each(up, lambda s: s.client.update_weights_from_disk(path, str(version)), tolerate=True)
         else:
             self._each(up, lambda s: s.client.begin_weight_update())
             try:
@@ -548,7 +564,7 @@ class RolloutFleet:
                 self._each(up, self._end_session)
         self.weight_version = version
         out = {"sync_seconds": time.perf_counter() - t0, "sync_bytes": sent, "parity_checked": 0, "parity_mismatch": 0}
-        for s in up:
+        for s in [s for s in up if s.up]:
             served = s.client.get_weight_version()
             if served != str(version):
                 raise ServerError(f"{s.client.url}: serves weight_version {served} after pushing {version}")
@@ -570,9 +586,25 @@ class RolloutFleet:
         except ServerError as e:
             log.error("%s: /end_weight_update failed (%s)", s.client.url, e)
 
-    def _each(self, servers: list[Server], fn) -> list:
+    def _each(self, servers: list[Server], fn, tolerate: bool = False) -> list:
+        """``fn(server)`` on every server, concurrently. ``tolerate``: a server that fails (dead, hung; not a
+        4xx, which is our request's fault) is marked down and left out, as a failed generation chunk is;
+        ``heal()`` restarts it before the next push. Raises when no server is left."""
+        def call(s):
+            try:
+                return fn(s)
+            except ServerError as e:
+                if not tolerate or "HTTP 4" in str(e):
+                    raise
+                log.warning("rollout server %s failed (%s); left out until the next push restarts it", s.client.url, e)
+                s.up, s.hung = False, s.hung or e.timed_out
+                return None
+
         with ThreadPoolExecutor(max(1, len(servers))) as ex:
-            return list(ex.map(fn, servers))
+            out = list(ex.map(call, servers))
+        if tolerate and servers and not any(s.up for s in servers):
+            raise ServerError(f"no rollout server is up (see rollout_logs/ in the run directory)")
+        return out
 
     def _push_tensor(self, up: list[Server], version: int, items) -> int:
         from safetensors.torch import save as st_save
@@ -666,13 +698,15 @@ class RolloutFleet:
 
     def release_memory(self, tags: Optional[list[str]] = None) -> None:
         """Release ``tags`` (default: all of ``MEMORY_TAGS``) on every server that holds them."""
-        self._each([s for s in self.servers if s.up], lambda s: self._release(s, list(tags or MEMORY_TAGS)))
+        self._each([s for s in self.servers if s.up], lambda s: self._release(s, list(tags or MEMORY_TAGS)),
+                   tolerate=True)
 
     def resume_memory(self, tags: Optional[list[str]] = None) -> None:
         """Resume those of ``tags`` (default: all) each server released: ``weights`` before a push, next to the
         trainer's params; ``kv_cache`` and ``cuda_graph`` (and ``weights``, if no push came first) before a
         rollout, once the trainer is offloaded."""
-        self._each([s for s in self.servers if s.up], lambda s: self._resume(s, list(tags or MEMORY_TAGS)))
+        self._each([s for s in self.servers if s.up], lambda s: self._resume(s, list(tags or MEMORY_TAGS)),
+                   tolerate=True)
 
     def update_weights(self, version: int, hashes=None) -> dict:  # RolloutEngine protocol (in-process form)
         raise NotImplementedError("the fleet receives weights through push_weights")
