@@ -7,7 +7,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.config import ParallelConfig
+from megatron_jetrl.config import ConfigError, ParallelConfig
 
 
 def free_port() -> int:
@@ -41,8 +41,9 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     world = dist.get_world_size()
     mp = parallel.tensor_parallel * parallel.pipeline_parallel
     if world % mp:
-        raise ValueError(f"world size {world} is not divisible by parallel.tensor_parallel x "
-                         f"parallel.pipeline_parallel = {mp}; launch a multiple of {mp} processes")
+        raise ConfigError(f"config error: parallel.tensor_parallel: {world} process(es) are not divisible by "
+                          f"tensor_parallel x pipeline_parallel = {mp}; launch a multiple of {mp} processes "
+                          f"(torchrun --nproc-per-node {mp}) or lower the model parallelism")
     sizes = (parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel)
     if parallel_state.model_parallel_is_initialized() and _megatron_sizes() != sizes:
         parallel_state.destroy_model_parallel()

@@ -154,6 +154,29 @@ def check_run_dir(cfg: JetConfig) -> str | None:
     return None
 
 
+def check_prompts(cfg: JetConfig, tok, samples: list[Sample]) -> None:
+    """Before anything is written: every prompt encodes, and the longest plus ``rollout.max_new_tokens`` fits
+    the model's positions (one line each); a group of one sample is warned about."""
+    from megatron_jetrl.data.prompts import DataError
+
+    longest = 0
+    for n, s in enumerate(samples, 1):
+        try:
+            longest = max(longest, len(encode_prompt(tok, s)))
+            tok.encode(s.answer)
+        except ValueError as e:
+            raise DataError(f"data: prompt {n}: {str(e).splitlines()[0]}") from None
+    need = longest + cfg.rollout.max_new_tokens
+    if need > cfg.model.max_position_embeddings:
+        raise ConfigError(f"config error: rollout.max_new_tokens: the longest prompt ({longest} tokens) + "
+                          f"{cfg.rollout.max_new_tokens} new tokens exceed model.max_position_embeddings="
+                          f"{cfg.model.max_position_embeddings}; lower rollout.max_new_tokens to "
+                          f"{max(0, cfg.model.max_position_embeddings - longest)} or shorten the prompts")
+    if cfg.rollout.n_samples_per_prompt == 1 and cfg.steps:
+        log.warning("rollout.n_samples_per_prompt=1: each GRPO group holds one sample, so every advantage is 0 and "
+                    "the RL steps change nothing; use 2 or more")
+
+
 def setup(cfg: JetConfig) -> Run:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.hf_io import load_hf_weights
@@ -167,6 +190,7 @@ def setup(cfg: JetConfig) -> Run:
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
                           f"tokenizer's {tok.vocab_size}; raise model.vocab_size")
+    check_prompts(cfg, tok, samples)
     recipe = FP8Recipe.from_config(cfg.precision)
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)

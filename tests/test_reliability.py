@@ -179,3 +179,21 @@ def test_float_values_as_yaml_writes_them(tmp_path):
     bad.write_text("algo:\n  lr: [1e-5\n")
     with pytest.raises(ConfigError, match=r"--config: .*bad.yaml is not valid YAML at line \d+"):
         load_config(str(bad))
+
+
+@pytest.mark.parametrize("case", ["not-utf8", "number-row", "tokenizer", "tp-2", "positions"])
+def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path):
+    data = tmp_path / "data.jsonl"
+    extra, message = {
+        "not-utf8": (["data.path=" + str(data)], "is not UTF-8 (byte 0xff at column 1)"),
+        "number-row": (["data.path=" + str(data)], "row 2 of"),
+        "tokenizer": (["data.path=" + str(data)], "data: prompt 1: builtin tokenizer: character 'é'"),
+        "tp-2": (["parallel.tensor_parallel=2"], "parallel.tensor_parallel: 1 process(es) are not divisible"),
+        "positions": (["rollout.max_new_tokens=80"], "rollout.max_new_tokens: the longest prompt"),
+    }[case]
+    data.write_bytes({"not-utf8": b'\xff{"prompt": "1+1=", "answer": "2"}\n',
+                      "number-row": b'{"prompt": "1+1=", "answer": "2"}\n5\n',
+                      "tokenizer": '{"prompt": "1+1=é", "answer": "2"}\n'.encode()}.get(case, b""))
+    out = _jetrl("train", "--preset", "tiny", "--run-dir", tmp_path / "run", "steps=1", *extra)
+    assert out.returncode == 2 and message in _last_line(out), out.stderr[-1500:]
+    assert not (tmp_path / "run").exists()

@@ -31,8 +31,13 @@ def load_prompts(path: str, prompt_key: str = "prompt", answer_key: str = "answe
         rows = pq.read_table(path).to_pylist()
     elif path.endswith((".jsonl", ".json")):
         rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"data.path: {path}:{n} is not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                    f"{e.start + 1}); save the file as UTF-8") from None
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
@@ -43,6 +48,9 @@ def load_prompts(path: str, prompt_key: str = "prompt", answer_key: str = "answe
         raise DataError(f"data.path: {path!r} has an unknown extension; use .jsonl or .parquet")
     out = []
     for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"data.path: row {n} of {path} is a {type(row).__name__}, not an object; write rows like "
+                            f'{{"{prompt_key}": "...", "{answer_key}": "..."}}')
         for key in (prompt_key, answer_key):
             if key not in row:
                 raise DataError(f"data.path: row {n} of {path} has no {key!r} field; "
