@@ -33,11 +33,9 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
             dist.init_process_group("nccl" if cuda else "gloo")
         else:  # a single process; nothing is written to os.environ (child processes stay clean)
-            # the store binds port 0 itself: a free_port() picked first and bound later raced with other
-            # processes starting at the same moment (two `jetrl serve` workers of one launch took the
-            # same port and one died with EADDRINUSE)
-            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+            # an in-memory store: no port at all (torch's TCPStore listens on every interface, and a port
+            # picked first and bound later raced with other processes starting at the same moment)
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     mp = parallel.tensor_parallel * parallel.pipeline_parallel
     if world % mp:

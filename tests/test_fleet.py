@@ -647,9 +647,13 @@ def test_serve_refuses_bad_values_and_holds_64_clients(fp8_dir, tmp_path):
 
     from megatron_jetrl.models.hf_io import HFCheckpoint
 
+    import psutil
+
     proc, client = _serve(fp8_dir, tmp_path / "s.log")
     try:
         url = client.url
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet") if c.status == "LISTEN"]
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening  # loopback only, no store port
         for body, field in (({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}},
                              "sampling_params.max_new_tokens: expected a integer"),
                             ({"input_ids": "12"}, "input_ids: expected a list"),
