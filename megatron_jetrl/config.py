@@ -63,6 +63,11 @@ class ModelConfig:
     vocab_size: int = 512
     """Vocabulary size (must be divisible by the tensor-parallel size)."""
     rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    """RoPE frequency scaling as the HF config states it (``rope_scaling`` / ``rope_parameters`` without
+    ``rope_theta``): ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}`` for Llama-3.1, ``linear`` or ``yarn`` (``models/rope_scaling.py``);
+    None for plain RoPE. Read from ``hf_path`` and written back unchanged."""
     """RoPE base."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
@@ -139,6 +144,8 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": self.qkv_bias,
         }
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
         if self.is_moe:
             cfg.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                        num_experts_per_tok=self.moe_top_k,
@@ -155,12 +162,16 @@ def model_fields_from_hf(hf: dict) -> dict:
     theta = hf.get("rope_theta")
     if theta is None:  # transformers >= 5 nests it
         theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in (hf.get("rope_scaling") or hf.get("rope_parameters") or {}).items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
     out = dict(
         model_type=model_type, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_attention_heads=hf["num_attention_heads"],
         num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], rope_theta=float(theta), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        vocab_size=hf["vocab_size"], rope_theta=float(theta), rope_scaling=scaling,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
     )

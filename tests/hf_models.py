@@ -15,19 +15,20 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 def hf_config(model_type: str, **over):
     import transformers
 
+    rope = over.pop("rope_parameters", ROPE)
     kw = dict(BASE, **over)
     if model_type == "llama":
-        cfg = transformers.LlamaConfig(**kw, attention_bias=False, mlp_bias=False, rope_parameters=ROPE)
+        cfg = transformers.LlamaConfig(**kw, attention_bias=False, mlp_bias=False, rope_parameters=rope)
     elif model_type == "qwen2":
-        cfg = transformers.Qwen2Config(**kw, rope_parameters=ROPE)
+        cfg = transformers.Qwen2Config(**kw, rope_parameters=rope)
     elif model_type == "qwen3":
-        cfg = transformers.Qwen3Config(**kw, rope_parameters=ROPE)
+        cfg = transformers.Qwen3Config(**kw, rope_parameters=rope)
     elif model_type == "qwen3_moe":
         kw.setdefault("num_experts", 4)
         kw.setdefault("num_experts_per_tok", 2)
         kw.setdefault("moe_intermediate_size", 256)
         cfg = transformers.Qwen3MoeConfig(**kw, decoder_sparse_step=1, mlp_only_layers=[],
-                                          norm_topk_prob=True, rope_parameters=ROPE)
+                                          norm_topk_prob=True, rope_parameters=rope)
     else:
         raise ValueError(model_type)
     return cfg

@@ -69,3 +69,62 @@ def test_parallel_layouts_match_hf(hf_dirs):
                 ref_logits = hf(tokens).logits
             for r in results:
                 assert (r[name]["logits"] - ref_logits).abs().max().item() <= 1e-4, name
+
+
+# RoPE scaling as the families ship it, shrunk so it matters at test length: Llama-3.1's llama3 rule and
+# Qwen2.5's YaRN with an original context of 32 positions, factor 8 and 4, compared over 200 tokens.
+SCALED = {
+    "llama3": ("llama", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "yarn": ("qwen2", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 32}),
+    "linear": ("qwen3", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALED))
+def test_rope_scaling_matches_transformers(kind, tmp_path, megatron_single):
+    """inv_freq and attention factor equal transformers' own ROPE_INIT_FUNCTIONS; the model's fp32 logits over
+    200 tokens equal the HF model's within 1e-4 (plain RoPE here would be far off); the exported config.json
+    carries the scaling unchanged and transformers reads back the same rope parameters."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_jetrl.models.rope_scaling import rope_inv_freq
+
+    mt, rope = SCALED[kind]
+    hf = make_hf_model(mt, str(tmp_path / "hf"), seed=7, rope_parameters=dict(rope))
+    want_inv, want_att = ROPE_INIT_FUNCTIONS[kind](hf.config, "cpu")
+    got_inv, got_att = rope_inv_freq(hf.config.head_dim, rope["rope_theta"],
+                                     {k: v for k, v in rope.items() if k != "rope_theta"})
+    assert torch.equal(got_inv, want_inv) and got_att == pytest.approx(want_att, rel=1e-12)
+
+    cfg, model, _ = build_loaded(str(tmp_path / "hf"), ["precision.mode=bf16"])
+    assert cfg.model.rope_scaling["rope_type"] == kind and cfg.model.rope_theta == rope["rope_theta"]
+    tokens = _tokens(s=200, b=1)
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        ours = model.eval()(tokens, pos, None)
+        ref = hf(tokens).logits
+    assert (ours - ref).abs().max().item() <= 1e-4
+    scaling = dict(cfg.model.rope_scaling)
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg.model.head_dim, cfg.model.rope_theta, None)[0]
+    model.rotary_pos_emb.forward.cache_clear()
+    with torch.no_grad():
+        assert (model(tokens, pos, None) - ref).abs().max().item() > 1e-2  # the scaling is what matched
+    out = cfg.model.to_hf_config()
+    assert out["rope_scaling"] == scaling and out["rope_theta"] == rope["rope_theta"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps(out))
+    assert AutoConfig.from_pretrained(str(tmp_path / "out")).rope_parameters == hf.config.rope_parameters
+
+
+def test_unsupported_rope_type_is_one_line(tmp_path, megatron_single):
+    from megatron_jetrl.config import ConfigError
+
+    make_hf_model("llama", str(tmp_path / "hf"), rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                  "factor": 2.0})
+    with pytest.raises(ConfigError, match="model.rope_scaling: rope_type 'dynamic' is not supported"):
+        build_loaded(str(tmp_path / "hf"), ["precision.mode=bf16"])

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.config import ModelConfig, ParallelConfig
+from megatron_jetrl.models.rope_scaling import rope_inv_freq, rope_problem
 from megatron_jetrl.models.spec import layer_spec
 from megatron_jetrl.precision.linear import FP8ModelState, attach_fp8
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -48,6 +49,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                    moe_permute_fusion=False)
+    why = rope_problem(model.rope_scaling)
+    if why:
+        from megatron_jetrl.config import ConfigError
+
+        raise ConfigError(f"config error: model.rope_scaling: {why}; use a checkpoint with one of those")
+    attention = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling)[1]
+    # YaRN scales cos and sin by its attention factor: q.k by its square, applied as the softmax scale
+    scale = {"softmax_scale": attention ** 2 / model.head_dim ** 0.5} if attention != 1.0 else {}
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
@@ -63,7 +72,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel, expert_tensor_parallel_size=1,
         use_cpu_initialization=not torch.cuda.is_available(),
-        sequence_parallel=False, **moe, **recompute, **(extra or {}),
+        sequence_parallel=False, **moe, **recompute, **scale, **(extra or {}),
     )
 
 
@@ -154,6 +163,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gpt.to(device)
+    if model.rope_scaling:  # megatron builds plain RoPE frequencies (its own llama3 option fixes 3 of 4 parameters)
+        rope = gpt.rotary_pos_emb
+        rope.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling)[0].to(rope.inv_freq.device)
     # every parameter in the model's dtype, as megatron's Float16Module leaves them: torch-built modules (the
     # RMSNorms) start fp32, and megatron's Float16 optimizer neither checkpoints fp32 parameters beside BF16
     # ones ("Param id ... does not match any model sharded param") nor is that what the rollout engine runs
