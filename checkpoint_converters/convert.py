@@ -57,7 +57,7 @@ def _check_finite(model, where: str, allow: bool) -> None:
                               "pass --allow-nonfinite to convert them anyway")
 
 
-def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
+def _build(model_cfg, overrides: list[str], dtype: torch.dtype, mode: str = "bf16"):
     from megatron_jetrl.config import JetConfig, parallel_from_overrides
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import build_model
@@ -66,7 +66,7 @@ def _build(model_cfg, overrides: list[str], dtype: torch.dtype):
     parallel = parallel_from_overrides(overrides)
     JetConfig(model=model_cfg, parallel=parallel)  # validates the layout against the model
     init_distributed(parallel)
-    return build_model(model_cfg, parallel, FP8Recipe(mode="jet"), dtype, backend="auto")
+    return build_model(model_cfg, parallel, FP8Recipe(mode=mode), dtype, backend="auto")
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, parallel_overrides: list[str] = (),
@@ -131,7 +131,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     model_cfg = model_cfg or read_model_config(ckpt_dir)
     # Under torchrun with a layout (parallel.*), each rank loads only its shard from the torch_dist
     # checkpoint and writes its own safetensors files: no rank holds the whole model.
-    model, state = _build(model_cfg, list(parallel_overrides), torch.bfloat16)
+    # the FP8 model only for an FP8 export: a BF16 one takes any shape
+    model, state = _build(model_cfg, list(parallel_overrides), torch.bfloat16, "jet" if dtype == "fp8" else "bf16")
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
     except (KeyboardInterrupt, SystemExit):

@@ -538,8 +538,11 @@ def _layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor
 
 def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
                device: Optional[torch.device] = None) -> FP8ModelState:
-    """Configure every FP8 linear of ``model``; checks block alignment of each TP shard; logs and
-    returns the shared state. In ``bf16`` mode the layers stay BF16 (state.forward_fp8 False)."""
+    """Configure every FP8 linear of ``model``; checks block alignment of each TP shard where FP8 runs
+    (``ConfigError``, one line); logs and returns the shared state. In ``bf16`` mode the layers stay BF16
+    (state.forward_fp8 False) and any shape is accepted."""
+    from megatron_jetrl.config import ConfigError
+
     if device is None:
         device = next(model.parameters()).device
     state = FP8ModelState(recipe, backend)
@@ -551,19 +554,20 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
         rows, cols = module.weight.shape
         sub, perm = _layout(name, module, module.config)
         g = recipe.group_size
-        if len(sub) > 1 and any(s % g for s in sub):
-            raise ValueError(
-                f"FP8: {name} splits into sub-matrices of {sub} rows on this tensor-parallel rank, "
-                f"not multiples of {g}: the rollout's 128x128 blocks would straddle q/k/v or gate/up; "
-                f"use head_dim*kv_heads/TP and ffn/TP divisible by {g}, or precision.mode=bf16")
+        fp8 = recipe.train_fp8 or recipe.rollout_fp8
+        if fp8 and len(sub) > 1 and any(s % g for s in sub):
+            raise ConfigError(
+                f"config error: precision.mode: {recipe.mode} needs block-FP8 linears, and {name} splits into "
+                f"sub-matrices of {sub} rows on this tensor-parallel rank, not multiples of {g} (the 128x128 blocks "
+                f"would straddle q/k/v or gate/up); use precision.mode=bf16 for this model")
         tp = getattr(module, "tp_size", 1)
-        if tp > 1 and not getattr(module, "explicit_expert_comm", False):
+        if fp8 and tp > 1 and not getattr(module, "explicit_expert_comm", False):
             split_dim = 0 if not hasattr(module, "input_is_parallel") else 1
             size = rows if split_dim == 0 else cols
             if size % g:
-                raise ValueError(f"FP8: {name} shard has {size} along the tensor-parallel split "
-                                 f"dimension, not a multiple of {g}; choose a tensor_parallel size "
-                                 f"that keeps shards {g}-aligned")
+                raise ConfigError(f"config error: parallel.tensor_parallel: {name}'s shard has {size} along the "
+                                  f"tensor-parallel split dimension, not a multiple of {g}; choose a tensor_parallel "
+                                  f"that keeps shards {g}-aligned, or precision.mode=bf16")
         module.fp8_state = state
         module.fp8_backend = resolved
         module.fp8_cache = FP8WeightCache(sub, None if perm is None else perm.to(module.weight.device),
