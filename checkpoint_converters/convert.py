@@ -161,9 +161,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         raise
     if not is_rank0():
         return out_dir
-    gen = {"bos_token_id": None, "eos_token_id": None, "do_sample": True, "transformers_version": None}
+    gen = model_cfg.generation_config or {"do_sample": True, **model_cfg.special_tokens}  # the source's, unchanged
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=1)
+        json.dump(gen, f, indent=1)
     if tokenizer_dir:
         for fname in os.listdir(tokenizer_dir):
             if fname.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")) or fname.endswith(".model"):

@@ -63,12 +63,12 @@ class ModelConfig:
     vocab_size: int = 512
     """Vocabulary size (must be divisible by the tensor-parallel size)."""
     rope_theta: float = 10000.0
+    """RoPE base."""
     rope_scaling: Optional[dict] = None
     """RoPE frequency scaling as the HF config states it (``rope_scaling`` / ``rope_parameters`` without
     ``rope_theta``): ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192}`` for Llama-3.1, ``linear`` or ``yarn`` (``models/rope_scaling.py``);
     None for plain RoPE. Read from ``hf_path`` and written back unchanged."""
-    """RoPE base."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
@@ -83,8 +83,14 @@ class ModelConfig:
     """qwen3_moe: expert MLP width (HF ``moe_intermediate_size``)."""
     norm_topk_prob: bool = True
     """qwen3_moe: renormalize the top-k router probabilities."""
+    special_tokens: dict = field(default_factory=dict)
+    """``bos_token_id`` / ``eos_token_id`` (an id or a list) / ``pad_token_id`` of the HF config.json, written back
+    on export."""
+    generation_config: Optional[dict] = None
+    """The HF directory's ``generation_config.json`` (its eos ids end a rollout's responses; written back on export)."""
     hf_path: Optional[str] = None
-    """HF model directory: its config.json fills the fields above and its safetensors are loaded."""
+    """HF model directory: its config.json (and generation_config.json) fill the fields above and its safetensors
+    are loaded."""
     tokenizer: str = "builtin"
     """``builtin`` (the tiny preset's character tokenizer) or an HF tokenizer directory."""
 
@@ -96,6 +102,10 @@ class ModelConfig:
             with open(cfg_file) as f:
                 for key, value in model_fields_from_hf(json.load(f)).items():
                     setattr(self, key, value)
+            gen_file = os.path.join(self.hf_path, "generation_config.json")
+            if os.path.isfile(gen_file):
+                with open(gen_file) as f:
+                    self.generation_config = json.load(f)
         _check(self.model_type in MODEL_TYPES, "model.model_type",
                f"unsupported model_type {self.model_type!r}", f"use one of {', '.join(MODEL_TYPES)}")
         _positive(self, "model", "hidden_size", "num_layers", "num_attention_heads",
@@ -146,12 +156,16 @@ class ModelConfig:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        cfg.update(self.special_tokens)
         if self.is_moe:
             cfg.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                        num_experts_per_tok=self.moe_top_k,
                        moe_intermediate_size=self.moe_ffn_hidden_size,
                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
         return cfg
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def model_fields_from_hf(hf: dict) -> dict:
@@ -174,6 +188,7 @@ def model_fields_from_hf(hf: dict) -> dict:
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        special_tokens={k: hf[k] for k in SPECIAL_TOKENS if hf.get(k) is not None},
     )
     if model_type == "qwen3_moe":
         experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 renamed it
@@ -277,6 +292,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response, besides the tokenizer's eos and the checkpoint's eos ids
+    (``generation_config.json``); responses that reach ``max_new_tokens`` instead are counted in
+    ``truncated_fraction``."""
     num_servers: int = 1
     """Fleet: servers launched (ignored when ``server_addresses`` attaches to running ones)."""
     server_addresses: list[str] = field(default_factory=list)

@@ -154,6 +154,16 @@ def check_run_dir(cfg: JetConfig) -> str | None:
     return None
 
 
+def stop_token_ids(cfg: JetConfig, tok) -> tuple[int, ...]:
+    """What ends a response: the tokenizer's eos, every eos id of the checkpoint's generation_config.json and
+    config.json (instruct models end turns with several), and ``rollout.stop_token_ids``."""
+    ids = [tok.eos_id] if tok.eos_id is not None else []
+    for source in (cfg.model.generation_config or {}, cfg.model.special_tokens):
+        eos = source.get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids + list(cfg.rollout.stop_token_ids)))
+
+
 def check_prompts(cfg: JetConfig, tok, samples: list[Sample]) -> None:
     """Before anything is written: every prompt encodes, and the longest plus ``rollout.max_new_tokens`` fits
     the model's positions (one line each); a group of one sample is warned about."""
@@ -244,7 +254,7 @@ def setup(cfg: JetConfig) -> Run:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     logger = MetricsLogger(run_dir, cfg.logging.tensorboard, resume_step) if is_logging_rank() else None
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                              cfg.rollout.top_k, (tok.eos_id,))
+                              cfg.rollout.top_k, stop_token_ids(cfg, tok))
     run = Run(cfg, tok, actor, engine, stream, reward_fn, logger, sampling, start, ckpt_dir)
     from megatron_jetrl.scheduler import make_scheduler
 
@@ -357,7 +367,8 @@ def rl_step(run: Run, step: int) -> dict:
         m.update(run.scheduler.hand_over(step + 1))
     lengths = torch.tensor([len(g.output_ids) for g in gens], dtype=torch.float)
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std(), response_length_mean=lengths.mean(),
-             response_length_max=lengths.max(), tokens_per_s=lengths.sum() / m["time_rollout"], is_rl=1.0)
+             response_length_max=lengths.max(), tokens_per_s=lengths.sum() / m["time_rollout"], is_rl=1.0,
+             truncated_fraction=sum(g.finish_reason == "length" for g in gens) / max(1, len(gens)))
     if batch.old_logp is not None:  # None on a non-last pipeline stage (whose metrics are not logged)
         m.update({k: float(v) for k, v in L.mismatch_metrics(batch.old_logp, batch.rollout_logp, batch.mask).items()})
     return reduce_over_dp(m)

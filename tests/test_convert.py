@@ -160,3 +160,24 @@ def test_train_starts_from_a_converted_checkpoint(tmp_path):
                           str(tmp_path / "bad"), "steps=1", f"checkpoint.load_path={tmp_path / 'nope'}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("checkpoint error: checkpoint.load_path")
+
+
+def test_special_tokens_generation_config_and_stop_ids_carry_through(tmp_path, megatron_single):
+    """bos/eos/pad ids of config.json and the whole generation_config.json (several eos ids, temperature,
+    top_p) survive HF -> megatron -> HF; every eos id, plus rollout.stop_token_ids, ends a response."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.data.tokenizer import CharTokenizer
+    from megatron_jetrl.train import stop_token_ids
+
+    src = tmp_path / "hf"
+    make_hf_model("llama", str(src), seed=1, bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0)
+    gen = {"bos_token_id": 1, "eos_token_id": [2, 7, 9], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    cfg = load_config(None, [f"model.hf_path={src}", "rollout.stop_token_ids=[11]"])
+    assert cfg.model.special_tokens == {"bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": 0}
+    assert stop_token_ids(cfg, CharTokenizer()) == (2, 7, 9, 11)
+    hf_to_megatron(str(src), str(tmp_path / "mc"), dtype=torch.float32)
+    megatron_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), "bf16")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: back[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == cfg.model.special_tokens
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text()) == gen
