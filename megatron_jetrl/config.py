@@ -14,7 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -456,18 +456,47 @@ class SchedulerConfig:
 class DataConfig:
     """Prompts and rewards."""
 
-    path: Optional[str] = None
-    """JSONL or Parquet prompt file; None uses the built-in synthetic task."""
+    path: Union[str, list[str], None] = None
+    """JSONL or Parquet prompt file(s), read in order; None uses the built-in synthetic task."""
+    val_path: Union[str, list[str], None] = None
+    """Held-out prompt file(s) for ``eval``; None with the synthetic task: ``val_size`` prompts of its own."""
+    val_size: int = 64
+    """Synthetic task: held-out prompts (another seed than the training ones)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt."""
+    """Column holding the prompt: a string or a list of chat messages; a dotted path reaches a nested column."""
     answer_key: str = "answer"
-    """Column holding the reference answer."""
+    """Column holding the reference answer (dotted for nested: ``reward_model.ground_truth``)."""
+    apply_chat_template: Union[Literal["auto"], bool] = "auto"
+    """Render prompts with the HF tokenizer's chat template (with the generation prompt): ``auto`` when it has
+    one, ``true`` (an error without one), ``false`` (raw text; chat-message prompts are then refused)."""
+    system_prompt: Optional[str] = None
+    """A system message put before string prompts when the chat template applies."""
     reward: str = "math"
     """Reward function name in the reward registry: ``math`` (numeric answer match), ``exact`` (whole
     response), ``hash`` (pseudo-random in [0, 1), for speed benchmarks on random weights), or one registered
     with ``megatron_jetrl.rewards.register_reward``."""
     synthetic_size: int = 2000
     """Prompts generated for the built-in synthetic task (when ``path`` is None)."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation (``data.val_path``, or the synthetic task's own held-out prompts)."""
+
+    interval: int = 0
+    """Evaluate before the first RL step and every N RL steps after it (0 = never)."""
+    greedy: bool = True
+    """``eval/accuracy``: mean reward of one greedy response per prompt."""
+    n_samples: int = 0
+    """>= 2: also ``eval/pass@k`` (k = n_samples): a prompt counts when any of k samples at
+    ``rollout.temperature`` earns reward 1."""
+    max_prompts: int = 0
+    """Evaluate the first N held-out prompts (0 = all)."""
+
+    def __post_init__(self):
+        _check(self.interval >= 0 and self.n_samples >= 0 and self.max_prompts >= 0, "eval",
+               "interval, n_samples and max_prompts must be >= 0", "use 0 to turn one off")
+        _check(self.n_samples != 1, "eval.n_samples", "pass@1 is eval/accuracy's job", "use 0 or >= 2")
 
 
 @dataclass(kw_only=True)
@@ -521,6 +550,7 @@ class JetConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     steps: int = 10
@@ -599,7 +629,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], path)
+        for i, t in enumerate(inner):  # the first member type the value fits
+            try:
+                return _coerce(value, t, path)
+            except ConfigError:
+                if i == len(inner) - 1:
+                    raise
     if origin is Literal:
         choices = typing.get_args(tp)
         _check(value in choices, path, f"{value!r} is not one of {list(choices)}",

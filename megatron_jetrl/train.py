@@ -5,7 +5,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ class Run:
     start_step: int
     ckpt_dir: str
     scheduler: object = None
+    val: list = field(default_factory=list)  # held-out samples (eval), this DP rank's share
     gc_frozen: int = 0  # Python objects frozen at setup (``gc_freeze``); unfrozen by close()
 
 
@@ -172,10 +173,13 @@ def check_prompts(cfg: JetConfig, tok, samples: list[Sample]) -> None:
     longest = 0
     for n, s in enumerate(samples, 1):
         try:
-            longest = max(longest, len(encode_prompt(tok, s)))
+            ids = encode_prompt(tok, s)
             tok.encode(s.answer)
         except ValueError as e:
             raise DataError(f"data: prompt {n}: {str(e).splitlines()[0]}") from None
+        longest = max(longest, len(ids))
+        if n == 1:
+            log.info("the first prompt as the policy sees it: %r", tok.render(ids))
     need = longest + cfg.rollout.max_new_tokens
     if need > cfg.model.max_position_embeddings:
         raise ConfigError(f"config error: rollout.max_new_tokens: the longest prompt ({longest} tokens) + "
@@ -194,13 +198,14 @@ def setup(cfg: JetConfig) -> Run:
     samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
                else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))  # bad data fails before any process group
     reward_fn = get_reward(cfg.data.reward)
+    val = val_samples(cfg) if cfg.eval.interval else []
     resume_path = check_run_dir(cfg)
     init_distributed(cfg.parallel, cfg.seed)
-    tok = load_tokenizer(cfg.model.tokenizer)
+    tok = load_tokenizer(cfg.model.tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the "
                           f"tokenizer's {tok.vocab_size}; raise model.vocab_size")
-    check_prompts(cfg, tok, samples)
+    check_prompts(cfg, tok, samples + val)
     recipe = FP8Recipe.from_config(cfg.precision)
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)
@@ -256,6 +261,9 @@ def setup(cfg: JetConfig) -> Run:
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                               cfg.rollout.top_k, stop_token_ids(cfg, tok))
     run = Run(cfg, tok, actor, engine, stream, reward_fn, logger, sampling, start, ckpt_dir)
+    if cfg.eval.interval:
+        rank, dp = _dp()
+        run.val = val[rank::dp]
     from megatron_jetrl.scheduler import make_scheduler
 
     run.scheduler = make_scheduler(run)
@@ -270,12 +278,13 @@ def setup(cfg: JetConfig) -> Run:
 
 
 def encode_prompt(tok, sample: Sample) -> list[int]:
-    ids = tok.encode(sample.prompt)
-    return ([tok.bos_id] + ids) if tok.bos_id is not None else ids
+    """The ids the policy sees for ``sample``'s prompt (chat template or bos + text: ``Tokenizer.encode_prompt``)."""
+    return tok.encode_prompt(sample.prompt)
 
 
-def score(run: Run, samples: list[Sample], gens) -> torch.Tensor:
-    n = run.cfg.rollout.n_samples_per_prompt
+def score(run: Run, samples: list[Sample], gens, n: int | None = None) -> torch.Tensor:
+    """Rewards of ``gens``, ``n`` (default ``rollout.n_samples_per_prompt``) consecutive ones per sample."""
+    n = n or run.cfg.rollout.n_samples_per_prompt
     return torch.tensor([run.reward_fn(run.tokenizer.decode(g.output_ids), samples[i // n].answer,
                                        samples[i // n].metadata) for i, g in enumerate(gens)])
 
@@ -349,6 +358,41 @@ def reduce_over_dp(m: dict) -> dict:
     return out
 
 
+def val_samples(cfg: JetConfig) -> list[Sample]:
+    """The held-out prompts: ``data.val_path``, or the synthetic task's own (another seed); ``eval.max_prompts``."""
+    if cfg.data.val_path:
+        out = load_prompts(cfg.data.val_path, cfg.data.prompt_key, cfg.data.answer_key)
+    elif not cfg.data.path:
+        out = synthetic_arithmetic(cfg.data.val_size, cfg.seed + 1)
+    else:
+        out = []
+    return out[:cfg.eval.max_prompts] if cfg.eval.max_prompts else out
+
+
+def evaluate(run: Run, step: int) -> dict:
+    """Held-out metrics of the current policy, run as a rollout runs (engine, precision, scheduler):
+    ``eval/accuracy`` (mean reward of one greedy response per prompt), ``eval/pass@k`` (share of prompts with
+    a reward-1 response among k samples at the rollout temperature), ``eval/response_length_mean``. Each DP
+    rank takes its share of the prompts; the means are averaged over ranks."""
+    from dataclasses import replace
+
+    cfg, m = run.cfg.eval, {}
+    if not run.val:
+        return m
+    prompts = [encode_prompt(run.tokenizer, s) for s in run.val]
+    if cfg.greedy:
+        gens = run.scheduler.evaluate(step, prompts, replace(run.sampling, temperature=0.0))
+        m["eval/accuracy"] = float(score(run, run.val, gens, 1).mean())
+        m["eval/response_length_mean"] = sum(len(g.output_ids) for g in gens) / len(gens)
+    if cfg.n_samples >= 2:
+        k = cfg.n_samples
+        gens = run.scheduler.evaluate(step, [p for p in prompts for _ in range(k)], run.sampling)
+        r = score(run, run.val, gens, k).view(len(prompts), k)
+        m[f"eval/pass@{k}"] = float((r >= 1).any(1).float().mean())
+        m["eval/sample_accuracy"] = float(r.mean())
+    return m
+
+
 def rl_step(run: Run, step: int) -> dict:
     m: dict = {}
     with timed(m, "rollout"):
@@ -410,7 +454,12 @@ def _loop(run: Run) -> None:
     bar = tqdm(range(run.start_step, total), initial=run.start_step, total=total, desc="jetrl",
                disable=not is_logging_rank())
     for step in bar:
-        metrics = sft_step(run) if step < cfg.algo.sft_warmup_steps else rl_step(run, step)
+        rl = step - cfg.algo.sft_warmup_steps
+        due = cfg.eval.interval and rl >= 0 and rl % cfg.eval.interval == 0  # before the first RL step, then every N
+        held_out = evaluate(run, rl) if due else {}
+        metrics = sft_step(run) if rl < 0 else rl_step(run, step)
+        if held_out:
+            metrics.update(reduce_over_dp(held_out))
         if run.logger:
             run.logger.log(step, metrics)
         if run.actor.skipped_in_a_row >= cfg.algo.max_skipped_steps:

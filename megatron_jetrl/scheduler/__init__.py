@@ -56,8 +56,8 @@ class _Base:
         n = run.cfg.rollout.n_samples_per_prompt
         return samples, [encode_prompt(run.tokenizer, s) for s in samples for _ in range(n)]
 
-    def _generate(self, step: int, prompts):
-        """This DP rank's generations. The in-process engine runs on every rank (its forward is model
+    def _generate(self, step: int, prompts, params=None):
+        """This DP rank's generations (with ``params``, default the run's sampling). The in-process engine runs on every rank (its forward is model
         parallel). A fleet is asked once per DP rank: by the first rank of the model-parallel group (the
         TP x PP ranks that train the same sequences), the others get ``None`` here and the result from
         :meth:`_share`. Each rank asking for itself sent every request TP x PP times (16 times on the 70B
@@ -66,15 +66,21 @@ class _Base:
         from megatron_jetrl.train import _dp
 
         run = self.run
+        params = params or run.sampling
         rank, dp = _dp()
         seed = run.cfg.seed + step * dp + rank  # per step and DP rank: a resumed run samples the same
         if hasattr(run.engine, "push_weights"):
             group = _model_parallel_group()
             if group is not None and not _first_of(group):
                 return None
-            return run.engine.generate(prompts, run.sampling, seed=seed * 1009)
+            return run.engine.generate(prompts, params, seed=seed * 1009)
         run.engine.generator.manual_seed(seed)
-        return run.engine.generate(prompts, run.sampling)
+        return run.engine.generate(prompts, params)
+
+    def evaluate(self, step: int, prompts, params):
+        """Generations for held-out ``prompts`` (this DP rank's), with the engine as a rollout runs it; the
+        seed stream is apart from the rollouts' (a run with evaluation samples the same rollouts)."""
+        return self._share(self._generate(-1 - step, prompts, params))
 
     def _share(self, gens):
         """A fleet's generations (and its metrics) from the model-parallel group's first rank to the
@@ -105,10 +111,19 @@ class Colocated(_Base):
     between barriers: no rank's generation can meet a server another rank already released."""
 
     def rollout(self, step: int):
+        samples, prompts = self.draw(step)
+        gens, m = self._on_servers(lambda: self._generate(step, prompts))
+        return samples, prompts, gens, m
+
+    def evaluate(self, step: int, prompts, params):
+        return self._on_servers(lambda: self._generate(-1 - step, prompts, params))[0]
+
+    def _on_servers(self, generate):
+        """``generate()`` with the GPUs handed to the servers: the trainer offloaded, the servers' memory resumed,
+        then the other way back. Returns (generations shared in the model-parallel group, metrics)."""
         from megatron_jetrl.distributed import barrier, is_rank0
 
         run, m = self.run, {}
-        samples, prompts = self.draw(step)
         fleet = hasattr(run.engine, "push_weights")
         if fleet and run.cfg.scheduler.offload_trainer:
             m["mem_trainer_gb"] = _cuda_gb()
@@ -119,7 +134,7 @@ class Colocated(_Base):
             if is_rank0():
                 run.engine.resume_memory()  # KV pool and CUDA graphs (weights too, before any push) once the trainer is off
             barrier()
-        gens = self._generate(step, prompts)
+        gens = generate()
         if fleet:
             barrier()
             gens = self._share(gens)
@@ -128,7 +143,7 @@ class Colocated(_Base):
             if run.cfg.scheduler.offload_trainer:
                 run.actor.reload()
             m.update(run.engine.metrics)
-        return samples, prompts, gens, m
+        return gens, m
 
     def hand_over(self, version: int) -> dict:
         from megatron_jetrl.distributed import is_rank0
