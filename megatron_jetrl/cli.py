@@ -76,6 +76,48 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """Held-out metrics of a finished checkpoint (``eval/accuracy``, ``eval/pass@k``) with any precision mode, so the
+    modes can be compared on the same prompts."""
+    import json
+    import shutil
+    import tempfile
+
+    from megatron_jetrl.config import ConfigError, load_config
+    from megatron_jetrl.data.prompts import DataError
+    from megatron_jetrl.distributed import destroy_distributed
+    from megatron_jetrl.models.hf_io import CheckpointError
+    from megatron_jetrl.trainer.checkpoint import read_model_config
+
+    run_dir = tempfile.mkdtemp(prefix="jetrl-eval-")
+    try:
+        model = read_model_config(args.checkpoint)  # the checkpoint's own model description
+        shape = [f"model.{k}={json.dumps(v)}" for k, v in vars(model).items() if v is not None and k != "hf_path"]
+        cfg = load_config(args.config or (_preset_path(args.preset) if args.preset else None), [
+            *shape, f"checkpoint.load_path={args.checkpoint}", f"data.val_path={json.dumps(args.data)}", "steps=1",
+            "algo.sft_warmup_steps=0", "eval.interval=1", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+            *args.overrides])
+        from megatron_jetrl.train import close, evaluate, setup
+
+        run = setup(cfg)
+        try:
+            m = evaluate(run, 0)
+        finally:
+            close(run)
+    except (ConfigError, CheckpointError, DataError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        destroy_distributed()
+    m.update(checkpoint=args.checkpoint, prompts=len(run.val), mode=cfg.precision.mode)
+    print(json.dumps(m))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(m, f, indent=1)
+    return 0
+
+
 def cmd_convert(args) -> int:
     import torch
 
@@ -114,6 +156,18 @@ def main(argv=None) -> int:
     t.add_argument("--plot", action="store_true", help="write curves.png into the run directory at the end")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out accuracy / pass@k of a checkpoint (any precision mode)",
+                       description="Evaluate a checkpoint (jetrl train's or convert hf-to-megatron's) on a prompt file: "
+                                   "eval/accuracy (greedy), eval/pass@k with eval.n_samples=k; precision.mode=bf16|"
+                                   "fp8_rollout|jet picks the rollout precision. The model shape is the checkpoint's.")
+    e.add_argument("checkpoint", help="megatron checkpoint directory (e.g. RUN/checkpoints/step_N)")
+    e.add_argument("--data", required=True, nargs="+", help="held-out .jsonl/.parquet file(s) (data.prompt_key/answer_key)")
+    e.add_argument("--preset", help="preset for the other settings (e.g. tiny)")
+    e.add_argument("--config", help="YAML config for the other settings")
+    e.add_argument("--out", help="also write the metrics to this JSON file")
+    e.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. precision.mode=bf16 eval.n_samples=8")
+    e.set_defaults(fn=cmd_eval)
 
     c = sub.add_parser("convert", help="HF <-> Megatron (torch_dist) checkpoints, BF16 or block FP8",
                        description="hf-to-megatron SRC(HF dir) OUT [parallel.*=N ...] (run under torchrun for a "

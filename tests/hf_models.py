@@ -81,3 +81,27 @@ def make_fp8_dir(src: str, dst: str, scale_fmt: str = "fp32") -> str:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return dst
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot|>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def make_chat_tokenizer(path: str) -> int:
+    """A character-level HF tokenizer (built locally with ``tokenizers``) with a chat template and an
+    end-of-turn token; saved to ``path``. Returns its vocabulary size."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(string.digits + string.ascii_letters + "+-*=?<>|_ .,:!"))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<|eot|>"] + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tk.decoder = decoders.Fuse()  # characters back without spaces between them
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  additional_special_tokens=["<|eot|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return len(vocab)
