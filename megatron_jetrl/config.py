@@ -420,13 +420,35 @@ class AlgoConfig:
     """Supervised steps on (prompt, answer) before RL (the tiny preset uses a short warm-up)."""
     sft_lr: Optional[float] = None
     """Learning rate of the warm-up steps (default: ``lr``)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After ``lr_warmup_steps``: hold ``lr``, or decay it to ``min_lr`` by the last step (linear or cosine)."""
+    min_lr: float = 0.0
+    """Where ``linear`` / ``cosine`` end."""
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    """``grpo``: reward minus the group mean, over the group std; ``dr_grpo`` (Dr. GRPO): without the std."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch (its rows split in this many parts); above 1 the old logprobs come from a
+    forward before the first update, so the PPO ratio and its clipping act from the second part on."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal (no gradient) and draw more prompts
+    until ``rollout.prompts_per_step`` groups remain or ``max_sampling_rounds`` rollouts were made
+    (``filtered_groups``, ``sampling_rounds``)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: rollouts per step at most (the last round's groups fill what is missing, filtered or not)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: responses within this many tokens of ``rollout.max_new_tokens`` lose up to
+    ``overlong_penalty`` reward, linearly (0 = off)."""
+    overlong_penalty: float = 1.0
+    """The reward lost at ``rollout.max_new_tokens`` tokens."""
     max_skipped_steps: int = 3
     """A step whose loss or gradients are not finite skips its update (``skipped_steps`` counts them);
     this many skipped in a row stop the run, with the last checkpoint (all finite) still ``latest``."""
 
     def __post_init__(self):
-        _positive(self, "algo", "lr", "micro_batch_size", "max_skipped_steps")
+        _positive(self, "algo", "lr", "micro_batch_size", "max_skipped_steps", "mini_batches", "max_sampling_rounds")
+        _check(self.min_lr <= self.lr, "algo.min_lr", f"{self.min_lr} > algo.lr={self.lr}", "use min_lr <= lr")
         for name in ("sft_warmup_steps", "lr_warmup_steps", "grad_clip", "clip_eps_low", "clip_eps_high", "kl_coef",
+                     "min_lr", "overlong_buffer", "overlong_penalty",
                      "entropy_coef", "weight_decay"):
             _check(getattr(self, name) >= 0, f"algo.{name}", f"must be >= 0, got {getattr(self, name)!r}",
                    "give a non-negative value")
@@ -585,6 +607,11 @@ class JetConfig:
                    f"{tp} does not divide model.moe_ffn_hidden_size", "choose a smaller tensor_parallel")
         _check(self.scheduler.mode == "colocated" or self.rollout.engine != "local", "scheduler.mode",
                "disaggregated needs a server fleet", "set rollout.engine=serve or sglang")
+        _check(not (self.algo.dynamic_sampling and self.scheduler.async_rollout), "algo.dynamic_sampling",
+               "draws more rollouts within a step, the one-step-ahead rollout draws one", "set scheduler.async_rollout=false")
+        _check(self.algo.overlong_buffer < self.rollout.max_new_tokens, "algo.overlong_buffer",
+               f"{self.algo.overlong_buffer} >= rollout.max_new_tokens={self.rollout.max_new_tokens}",
+               "use a buffer shorter than the longest response")
         _check(not self.scheduler.async_rollout or self.scheduler.mode == "disaggregated", "scheduler.async_rollout",
                "one-step-ahead rollout needs separate rollout GPUs", "set scheduler.mode=disaggregated")
         _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,

@@ -217,7 +217,7 @@ def setup(cfg: JetConfig) -> Run:
     fp8_state.cache_dgrad_weights = cfg.precision.cache_dgrad_weights
     if cfg.model.hf_path and not cfg.checkpoint.load_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
-    total = cfg.steps + cfg.algo.sft_warmup_steps
+    total = cfg.steps * cfg.algo.mini_batches + cfg.algo.sft_warmup_steps  # optimizer steps (the LR schedule's length)
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
     engine = None
     if cfg.rollout.engine == "local":
@@ -393,20 +393,60 @@ def evaluate(run: Run, step: int) -> dict:
     return m
 
 
+def _shaped_rewards(run: Run, samples, gens) -> torch.Tensor:
+    """The reward function's score plus DAPO's overlong penalty (``algo.overlong_buffer``)."""
+    a = run.cfg.algo
+    lengths = torch.tensor([len(g.output_ids) for g in gens])
+    return score(run, samples, gens) + L.overlong_penalty(lengths, run.cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                                          a.overlong_penalty)
+
+
+def _rollout(run: Run, step: int, m: dict):
+    """The step's groups: one rollout, or with ``algo.dynamic_sampling`` as many as it takes (up to
+    ``algo.max_sampling_rounds``) to fill ``rollout.prompts_per_step`` groups whose rewards differ."""
+    n, want = run.cfg.rollout.n_samples_per_prompt, run.cfg.rollout.prompts_per_step
+    samples, prompts, gens, sched = run.scheduler.rollout(step)
+    m.update(sched)
+    rewards = _shaped_rewards(run, samples, gens)
+    if not run.cfg.algo.dynamic_sampling:
+        return samples, prompts, gens, rewards
+    kept: list = []  # (sample, its n prompts, generations, rewards) of the informative groups
+    rounds, dropped = 1, 0
+    while True:
+        ok = L.informative_groups(rewards, n).tolist()
+        dropped += ok.count(False)
+        group = [(samples[i], prompts[i * n:(i + 1) * n], gens[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n])
+                 for i in range(len(samples))]
+        kept += [g for g, good in zip(group, ok) if good]
+        if len(kept) >= want or rounds == run.cfg.algo.max_sampling_rounds:
+            kept += [g for g, good in zip(group, ok) if not good][:max(0, want - len(kept))]  # fill, if short
+            break
+        samples, prompts, gens, sched = run.scheduler.rollout(step)
+        rewards = _shaped_rewards(run, samples, gens)
+        rounds += 1
+    kept = kept[:want]
+    m.update(filtered_groups=float(dropped), sampling_rounds=float(rounds))
+    return ([g[0] for g in kept], [p for g in kept for p in g[1]], [x for g in kept for x in g[2]],
+            torch.cat([g[3] for g in kept]))
+
+
 def rl_step(run: Run, step: int) -> dict:
     m: dict = {}
+    a = run.cfg.algo
     with timed(m, "rollout"):
-        samples, prompts, gens, sched = run.scheduler.rollout(step)
-    m.update(sched)
-    rewards = score(run, samples, gens)
-    adv = L.grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt)
+        samples, prompts, gens, rewards = _rollout(run, step, m)
+    adv = L.grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt, normalize_std=a.advantage == "grpo")
     batch = build_batch(prompts, [g.output_ids for g in gens], [g.output_logprobs for g in gens], adv,
                         run.tokenizer.pad_id, next(run.actor.module.parameters()).device)
-    with timed(m, "logprob"):  # (algo.recompute_logprobs=false: the training forward fills them in)
-        if run.cfg.algo.recompute_logprobs:
+    with timed(m, "logprob"):  # (algo.recompute_logprobs=false, one mini-batch: the training forward fills them in)
+        if a.recompute_logprobs or a.mini_batches > 1:
             batch.old_logp = run.actor.compute_logprobs(batch)
     with timed(m, "train"):
-        m.update(run.actor.train_step(batch))
+        parts = [batch] if a.mini_batches == 1 else batch.split(-(-batch.tokens.shape[0] // a.mini_batches))
+        steps = [run.actor.train_step(part) for part in parts]  # the old logprobs stay those before the first
+        m.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})  # means over the parts,
+        m.update({k: steps[-1][k] for k in ("lr", "skipped_steps") if k in steps[-1]})  # but where the step ends
+        m["optimizer_steps"] = float(len(steps))
     with timed(m, "weight_sync"):
         m.update(run.scheduler.hand_over(step + 1))
     lengths = torch.tensor([len(g.output_ids) for g in gens], dtype=torch.float)

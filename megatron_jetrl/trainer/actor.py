@@ -232,7 +232,8 @@ class Actor:
         self.grad_accum_fused_layers = enable_grad_accum_fusion(model, fp8_state.fuse_wgrad_accumulation)
         log.info("gradient-accumulation fusion: on for megatron's BF16 path in %d linears; FP8 wgrad: %s",
                  self.grad_accum_fused_layers, _fp8_wgrad_fusion(fp8_state))
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=algo.lr, min_lr=algo.lr, weight_decay=algo.weight_decay,
+        min_lr = algo.lr if algo.lr_schedule == "constant" else algo.min_lr  # megatron keeps it per param group
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=algo.lr, min_lr=min_lr, weight_decay=algo.weight_decay,
                                   adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
                                   clip_grad=algo.grad_clip, bf16=params_dtype == torch.bfloat16,
                                   params_dtype=params_dtype, use_distributed_optimizer=use_dist_opt)
@@ -242,9 +243,10 @@ class Actor:
         multi_tensor.install()  # megatron's no-TE/APEX gradient norm and clipping as foreach kernels
         self.fused_adam = algo.fused_adam and _fuse_torch_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr, min_lr=algo.lr,
+            self.optimizer, init_lr=0.0 if algo.lr_warmup_steps else algo.lr, max_lr=algo.lr,
+            min_lr=min_lr,
             lr_warmup_steps=algo.lr_warmup_steps, lr_decay_steps=max(total_steps, algo.lr_warmup_steps + 1),
-            lr_decay_style="constant", start_wd=algo.weight_decay, end_wd=algo.weight_decay,
+            lr_decay_style=algo.lr_schedule, start_wd=algo.weight_decay, end_wd=algo.weight_decay,
             wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
         self.steps = 0
         self.skipped_steps = 0     # optimizer steps skipped for non-finite gradients (in a checkpoint's loop state)

@@ -21,6 +21,22 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     return adv.view(-1)
 
 
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to ``max_len - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_len``. ``lengths`` [B] response lengths -> [B]."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    over = (lengths.float() - (max_len - buffer)) / buffer
+    return -factor * over.clamp(0.0, 1.0)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic sampling filter: the groups whose rewards are not all equal (an all-equal group has zero
+    advantage everywhere and no gradient). ``rewards`` [B] group by group -> bool [B / group_size]."""
+    r = rewards.float().view(-1, group_size)
+    return (r != r[:, :1]).any(dim=1)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     mask = mask.to(x.dtype)
     if dim is None:
