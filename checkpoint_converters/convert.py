@@ -116,7 +116,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
     from megatron_jetrl.models.hf_io import CheckpointError
     from megatron_jetrl.precision.linear import refresh_fp8_weights
     from megatron_jetrl.precision.recipe import FP8Recipe
-    from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+    from megatron_jetrl.sync.export import ExportOptions, hf_bf16_linears, iter_hf_tensors
     from megatron_jetrl.sync.transport import DiskTransport
 
     if dtype not in ("bf16", "fp8"):
@@ -151,7 +151,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         items = tqdm(items, desc=f"megatron-to-hf ({dtype})", unit="tensor")
     hf_cfg = model_cfg.to_hf_config()
     writer = DiskTransport(out_dir, hf_cfg, shard_bytes=shard_bytes,
-                           quantization_config=recipe.hf_quantization_config() if dtype == "fp8" else None,
+                           quantization_config=recipe.hf_quantization_config(hf_bf16_linears(model, model_cfg, state))
+                           if dtype == "fp8" else None,
                            collective=True, record_hashes=False)
     try:
         writer.push(0, items)

@@ -20,7 +20,7 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rewards import get_reward
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
-from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors
+from megatron_jetrl.sync.export import ExportOptions, hf_bf16_linears, iter_hf_tensors
 from megatron_jetrl.sync.transport import InProcessTransport
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.actor import Actor, RLBatch, build_batch
@@ -62,7 +62,8 @@ def disk_push(run: "Run", version: int, items, record_hashes: bool = True) -> tu
 
     recipe = run.actor.fp8_state.recipe
     path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, "rollout", "weights"))
-    qc = recipe.hf_quantization_config() if recipe.rollout_fp8 else None
+    qc = (recipe.hf_quantization_config(hf_bf16_linears(run.actor.module, run.cfg.model, run.actor.fp8_state))
+          if recipe.rollout_fp8 else None)
     m = DiskTransport(path, run.cfg.model.to_hf_config(), quantization_config=qc, collective=True,
                       bucket_bytes=run.cfg.rollout.bucket_mb << 20, record_hashes=record_hashes).push(version, items)
     return path, m

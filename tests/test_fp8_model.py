@@ -81,7 +81,9 @@ def test_bf16_mode_never_quantizes(qwen3_dir, megatron_single):
     assert all(m.fp8_cache.refreshes == 0 for m in model.modules() if getattr(m, "fp8_cache", None) is not None)
 
 
-def test_unaligned_fp8_layout_is_refused(megatron_single):
+def test_unaligned_fp8_linears_stay_bf16(megatron_single):
+    """q/k/v of [256, 64, 64] rows cannot be cut into 128-row blocks: that linear stays BF16 (no FP8 state, no
+    cache: its forward is megatron's own), the others are FP8."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import build_model
@@ -89,8 +91,12 @@ def test_unaligned_fp8_layout_is_refused(megatron_single):
     cfg = load_config(None, ["model.num_key_value_heads=1", "model.num_attention_heads=4",
                              "model.hidden_size=256", "precision.params_dtype=fp32"])
     init_distributed(cfg.parallel)
-    with pytest.raises(ValueError, match=r"linear_qkv splits into sub-matrices of \[256, 64, 64\]"):
-        build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32)
+    model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32)
+    qkv = [f"decoder.layers.{i}.self_attention.linear_qkv" for i in range(cfg.model.num_layers)]
+    assert state.bf16_linears == qkv and state.num_fp8_layers == 3 * cfg.model.num_layers
+    mods = dict(model.named_modules())
+    assert all(mods[n].fp8_cache is None and not mods[n].fp8_active() for n in qkv)
+    assert mods["decoder.layers.0.mlp.linear_fc1"].fp8_active()
 
 
 def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single, monkeypatch):

@@ -130,12 +130,11 @@ def test_unsupported_rope_type_is_one_line(tmp_path, megatron_single):
         build_loaded(str(tmp_path / "hf"), ["precision.mode=bf16"])
 
 
-def test_small_real_shapes_run_in_bf16_and_are_refused_in_fp8_with_one_line(tmp_path, megatron_single):
+def test_small_real_shapes_run_in_bf16_and_keep_unblockable_linears_bf16(tmp_path, megatron_single):
     """A SmolLM-shaped llama (hidden 576, 9 heads of 64, 3 KV heads, FFN 1536): q/k/v rows of 576/192/192 cannot
-    be cut into 128-row blocks. In bf16 nothing is FP8, so it loads and matches transformers; in jet the refusal is
-    one line naming the knob; it converts to BF16 HF and back."""
+    be cut into 128-row blocks. In bf16 nothing is FP8, so it loads and matches transformers; in jet its q/k/v
+    linears stay BF16 (the rest FP8); it converts to BF16 HF and back."""
     from checkpoint_converters.convert import hf_to_megatron, megatron_to_hf
-    from megatron_jetrl.config import ConfigError
     from megatron_jetrl.models.hf_io import HFCheckpoint
 
     hf = make_hf_model("llama", str(tmp_path / "hf"), seed=4, hidden_size=576, num_attention_heads=9,
@@ -144,8 +143,9 @@ def test_small_real_shapes_run_in_bf16_and_are_refused_in_fp8_with_one_line(tmp_
     tokens = _tokens()
     with torch.no_grad():
         assert (model.eval()(tokens, torch.arange(24).expand_as(tokens), None) - hf(tokens).logits).abs().max() <= 1e-4
-    with pytest.raises(ConfigError, match=r"precision.mode: jet needs block-FP8 linears.*use precision.mode=bf16"):
-        build_loaded(str(tmp_path / "hf"), ["precision.mode=jet"])
+    _, _, state = build_loaded(str(tmp_path / "hf"), ["precision.mode=jet"])
+    assert state.bf16_linears == [f"decoder.layers.{i}.self_attention.linear_qkv" for i in range(2)]
+    assert state.num_fp8_layers == 6  # o_proj, fc1, fc2 of both layers
     hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mc"), dtype=torch.float32)
     megatron_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), "bf16")
     a, b = HFCheckpoint(str(tmp_path / "hf")), HFCheckpoint(str(tmp_path / "back"))

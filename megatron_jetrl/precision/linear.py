@@ -68,6 +68,8 @@ class FP8ModelState:
         # jet training: dgrad's K-major FP8 weight made once per step and shared by its micro-batches
         # (precision.cache_dgrad_weights; dropped after each step's backward: drop_dgrad_weights)
         self.cache_dgrad_weights = True
+        # linears left in BF16 because their shape does not fit the FP8 blocks (attach_fp8); module names
+        self.bf16_linears: list[str] = []
 
     def bump(self) -> None:
         """Invalidate every cached FP8 weight (call after the weights changed)."""
@@ -554,25 +556,26 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
         rows, cols = module.weight.shape
         sub, perm = _layout(name, module, module.config)
         g = recipe.group_size
-        fp8 = recipe.train_fp8 or recipe.rollout_fp8
-        if fp8 and len(sub) > 1 and any(s % g for s in sub):
-            raise ConfigError(
-                f"config error: precision.mode: {recipe.mode} needs block-FP8 linears, and {name} splits into "
-                f"sub-matrices of {sub} rows on this tensor-parallel rank, not multiples of {g} (the 128x128 blocks "
-                f"would straddle q/k/v or gate/up); use precision.mode=bf16 for this model")
         tp = getattr(module, "tp_size", 1)
-        if fp8 and tp > 1 and not getattr(module, "explicit_expert_comm", False):
-            split_dim = 0 if not hasattr(module, "input_is_parallel") else 1
-            size = rows if split_dim == 0 else cols
-            if size % g:
-                raise ConfigError(f"config error: parallel.tensor_parallel: {name}'s shard has {size} along the "
-                                  f"tensor-parallel split dimension, not a multiple of {g}; choose a tensor_parallel "
-                                  f"that keeps shards {g}-aligned, or precision.mode=bf16")
+        split = cols if hasattr(module, "input_is_parallel") else rows
+        if (len(sub) > 1 and any(s % g for s in sub)) or (
+                tp > 1 and not getattr(module, "explicit_expert_comm", False) and split % g):
+            # 128x128 blocks would straddle q/k/v or gate/up, or a tensor-parallel shard: this linear stays BF16,
+            # in the trainer and (listed in the export's modules_to_not_convert) in the rollout
+            state.bf16_linears.append(name)
+            continue
         module.fp8_state = state
         module.fp8_backend = resolved
         module.fp8_cache = FP8WeightCache(sub, None if perm is None else perm.to(module.weight.device),
                                           recipe.weight_block[0])
         n += 1
+    if state.bf16_linears and recipe.mode != "bf16":
+        if not n:
+            raise ConfigError(f"config error: precision.mode: no linear of this model fits {g}x{g} FP8 blocks (q/k/v, "
+                              f"gate/up and tensor-parallel shards in whole blocks); use precision.mode=bf16")
+        log.info("FP8 %s: %d linears stay BF16 (their q/k/v, gate/up or tensor-parallel shards are not whole %d-row "
+                 "blocks): %s", recipe.mode, len(state.bf16_linears), g, ", ".join(state.bf16_linears[:4])
+                 + (", ..." if len(state.bf16_linears) > 4 else ""))
     state.num_fp8_layers = n
     state.backend = resolved
     log.info("FP8 %s: %d linear layers on the %s backend (train forward FP8: %s, rollout FP8: %s)",

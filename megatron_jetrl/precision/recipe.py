@@ -71,14 +71,15 @@ class FP8Recipe:
         return name.rsplit(".", 1)[-1] in FP8_MODULES
 
     # -- derived settings for other systems ------------------------------------------------------
-    def hf_quantization_config(self) -> dict:
-        """HF ``config.json`` ``quantization_config`` of the block-FP8 format (DeepSeek-V3 style)."""
+    def hf_quantization_config(self, bf16_linears: tuple[str, ...] | list[str] = ()) -> dict:
+        """HF ``config.json`` ``quantization_config`` of the block-FP8 format (DeepSeek-V3 style). ``bf16_linears``:
+        HF module paths of linears that stay BF16 (every shard of a fused one: SGLang's ``is_layer_skipped``)."""
         cfg = {
             "quant_method": "fp8",
             "fmt": self.fmt,
             "activation_scheme": "dynamic",
             "weight_block_size": list(self.weight_block),
-            "modules_to_not_convert": list(HF_MODULES_NOT_CONVERTED),
+            "modules_to_not_convert": list(HF_MODULES_NOT_CONVERTED) + list(bf16_linears),
         }
         if self.scale_fmt == "ue8m0":
             cfg["scale_fmt"] = "ue8m0"

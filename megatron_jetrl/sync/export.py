@@ -113,6 +113,23 @@ def iter_hf_tensors(model, model_cfg, opts: ExportOptions) -> Iterator[tuple[str
                 yield hf_name, (t if opts.dtype is None else t.to(opts.dtype)).contiguous()
 
 
+def hf_bf16_linears(model, model_cfg, state) -> list[str]:
+    """HF module paths (``model.layers.0.self_attn.q_proj``) of the linears ``attach_fp8`` left in BF16, over every
+    rank (pipeline stages hold different layers): what the FP8 export lists in ``modules_to_not_convert``."""
+    rules = hf_mapping.table(model_cfg.model_type)
+    bf16 = set(state.bf16_linears)
+    out = set()
+    for local, name, _ in named_global_params(model, model_cfg):
+        rule, idx = hf_mapping.match(rules, name)
+        if rule.fp8 and local.rsplit(".", 1)[0] in bf16:
+            out.update(n.removesuffix(".weight") for n in hf_mapping.hf_names(rule, idx))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(out))
+        out = set().union(*every)
+    return sorted(out)
+
+
 def collect_hf_state_dict(model, model_cfg, opts: ExportOptions, dst: int = 0) -> Optional[dict]:
     """The whole HF state dict on global rank ``dst`` (None elsewhere); CPU tensors. For tests and
     small models: the streaming transports never hold the whole model."""
