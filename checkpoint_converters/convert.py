@@ -139,8 +139,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", tokenizer_d
         raise
     except BaseException as e:  # noqa: BLE001 - megatron raises several types; torch's CheckpointException
         # (a truncated .distcp shard) derives from BaseException
-        raise CheckpointError(f"checkpoint error: {ckpt_dir!r} does not match the model description "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check model_config.json") from None
+        what = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint error: {ckpt_dir!r} cannot be loaded ({type(e).__name__}: {what}); a file "
+                              "may be truncated or damaged, or model_config.json does not describe it") from None
     model.load_state_dict(loaded["model"])
     _check_finite(model, ckpt_dir, allow_nonfinite)
     refresh_fp8_weights(model, state)

@@ -211,3 +211,50 @@ def test_rl_recipe_knobs_in_a_run(tmp_path):
     assert any(r["ratio_mean"] != 1.0 for r in rl)  # the second part's ratio is new/old, no longer exactly 1
     lrs = [r["lr"] for r in rl]
     assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(1e-5)
+
+
+def test_dynamic_sampling_refills_informative_groups(monkeypatch):
+    """``train._rollout`` with algo.dynamic_sampling: groups whose rewards are all equal are dropped, more rollouts
+    are drawn until prompts_per_step informative groups are kept (or the rounds run out: then the last round's
+    groups fill), and what was dropped and how many rounds it took are logged."""
+    import types
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.data.prompts import Sample
+    from megatron_jetrl.rollout.base import Generation
+    from megatron_jetrl import train
+
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "algo.dynamic_sampling=true",
+                             "algo.max_sampling_rounds=3"])
+    # each round: 2 groups; answers tell the reward: "1" = the sample is right
+    rounds = iter([[("a", [1, 1]), ("b", [0, 1])], [("c", [0, 0]), ("d", [1, 0])], [("e", [1, 1]), ("f", [0, 0])]])
+
+    def rollout(step):
+        groups = next(rounds)
+        samples = [Sample(p, "1") for p, _ in groups]
+        gens = [Generation([1], [r], [0.0]) for _, rs in groups for r in rs]
+        return samples, [[1]] * len(gens), gens, {}
+
+    run = types.SimpleNamespace(cfg=cfg, scheduler=types.SimpleNamespace(rollout=rollout),
+                                tokenizer=types.SimpleNamespace(decode=lambda ids: str(ids[0])),
+                                reward_fn=lambda text, answer, meta: float(text == answer))
+    m = {}
+    samples, prompts, gens, rewards = train._rollout(run, 0, m)
+    assert [s.prompt for s in samples] == ["b", "d"] and rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert m == {"filtered_groups": 2.0, "sampling_rounds": 2.0}
+    cfg.algo.max_sampling_rounds = 1  # out of rounds: the round's uninformative groups fill the batch
+    rounds = iter([[("a", [1, 1]), ("b", [0, 1])]])
+    samples, *_ = train._rollout(run, 0, m)
+    assert [s.prompt for s in samples] == ["b", "a"] and m["sampling_rounds"] == 1.0
+
+
+def test_every_stop_id_ends_a_response():
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+
+    engine = LocalEngine.__new__(LocalEngine)
+    engine.weight_version = 0
+    ids = [torch.tensor([5, 8, 9]), torch.tensor([7, 2, 9]), torch.tensor([9, 9, 9]), torch.tensor([3, 3, 3])]
+    lps = [torch.zeros(3)] * 4
+    gens = engine._finish([[1]] * 3, ids, lps, SamplingParams(stop_token_ids=(7, 2, 9)))
+    assert [(g.output_ids, g.finish_reason) for g in gens] == [([5, 7], "stop"), ([8, 2], "stop"), ([9], "stop")]

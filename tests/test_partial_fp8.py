@@ -64,3 +64,15 @@ def test_smollm_shape_trains_in_jet_with_bf16_attention_over_a_fleet(tmp_path):
     assert is_layer_skipped("model.layers.0.self_attn.qkv_proj", cfg.ignored_layers)
     assert not is_layer_skipped("model.layers.0.mlp.gate_up_proj", cfg.ignored_layers)
     assert not is_layer_skipped("model.layers.0.self_attn.o_proj", cfg.ignored_layers)
+
+
+def test_smollm_shape_trains_in_bf16(tmp_path):
+    """The same model in bf16 (no FP8 anywhere, so no shape rule): two steps with the in-process engine."""
+    make_hf_model("llama", str(tmp_path / "hf"), seed=4, **SMOL)
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny", "--run-dir",
+                          str(tmp_path / "run"), f"model.hf_path={tmp_path / 'hf'}", "precision.mode=bf16", "steps=2",
+                          "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                          "eval.interval=0"], env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0] and all(r["update_ok"] == 1.0 for r in rows)

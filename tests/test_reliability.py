@@ -80,6 +80,15 @@ def test_convert_refuses_non_finite_weights_and_damaged_files(trained, tmp_path,
     shard.write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(CheckpointError, match="cannot be read"):
         hf_to_megatron(str(hf), str(tmp_path / "mc"))
+    import shutil
+
+    ckpt = tmp_path / "step"
+    shutil.copytree(trained / "checkpoints" / "step_2", ckpt)
+    shard = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:64])  # torch's CheckpointException derives from BaseException
+    with pytest.raises(CheckpointError, match="cannot be loaded .*truncated or damaged"):
+        megatron_to_hf(str(ckpt), str(tmp_path / "hf2"), "bf16")
+    assert not (tmp_path / "hf2").exists()
 
 
 # ------------------------------------------------------------------------------------- run directories

@@ -616,8 +616,8 @@ class RolloutFleet:
             payload = base64.b64encode(st_save({n: host_copy(t) for n, t in bucket})).decode()
             total += sum(nbytes(t) for _, t in bucket)
             last = nxt is None
-            self._each(up, lambda s: s.client.update_weights_from_tensor([payload], "jetrl_safetensors", str(version),
-                                                                         last))
+            self._each([s for s in up if s.up], lambda s: s.client.update_weights_from_tensor(
+                [payload], "jetrl_safetensors", str(version), last), tolerate=True)
             bucket = nxt
         return total
 
