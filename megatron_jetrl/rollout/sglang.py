@@ -545,9 +545,9 @@ class RolloutFleet:
         including the FP8 parity check of what each server then runs (``/weights_checker``)."""
         t0 = time.perf_counter()
         transport = self.cfg.rollout.weight_transport
-        up = [s for s in self.servers if s.up]
         if self.colocated:
             self.resume_memory(["weights"])  # a server restarted by heal() came back released
+        up = [s for s in self.servers if s.up]
         expected = {tp: ExpectedChecksums(tp, self.cfg.model.num_key_value_heads, self.recipe.weight_block[0])
                     for tp in {s.tp for s in up}} if check_parity and self.recipe.rollout_fp8 else {}
         for e in expected.values():
@@ -557,7 +557,8 @@ class RolloutFleet:
             sent = m.get("sync_bytes", 0)
             self._each(up, lambda s: s.client.update_weights_from_disk(path, str(version)), tolerate=True)
         else:
-            self._each(up, lambda s: s.client.begin_weight_update())
+            self._each(up, lambda s: s.client.begin_weight_update(), tolerate=True)
+            up = [s for s in up if s.up]
             try:
                 sent = (self._push_tensor if transport == "tensor" else self._push_distributed)(up, version, items)
             finally:  # closed even when a bucket failed: SGLang refuses the next begin while one is open
