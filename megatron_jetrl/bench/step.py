@@ -35,8 +35,9 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     # the reward is a hash of the response unless given: on random weights the verifiable reward is 0 for
     # every response, GRPO's advantages then are 0 and the training step would run its backward on zero
     # gradients (rewards/math.py: hash_reward)
+    # its own run directory, replaced by the next benchmark (checkpoint.overwrite)
     cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
-                                    f"steps={steps + warmup}", "logging.tensorboard=false",
+                                    f"steps={steps + warmup}", "logging.tensorboard=false", "checkpoint.overwrite=true",
                                     f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])
     run = setup(cfg)
     if torch.cuda.is_available():
