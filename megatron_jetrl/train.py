@@ -129,8 +129,8 @@ def check_run_dir(cfg: JetConfig) -> str | None:
 
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if cfg.checkpoint.resume:
-        path = newest_intact_checkpoint(ckpt_dir)
+    if cfg.checkpoint.resume:  # every file read once, by rank 0 (the others check sizes, then take its choice)
+        path = newest_intact_checkpoint(ckpt_dir, crc=os.environ.get("RANK", "0") == "0")
         if path is None:
             raise ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
                               "--resume, or give the run directory that holds the run")
@@ -202,6 +202,10 @@ def setup(cfg: JetConfig) -> Run:
     val = val_samples(cfg) if cfg.eval.interval else []
     resume_path = check_run_dir(cfg)
     init_distributed(cfg.parallel, cfg.seed)
+    if resume_path and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [resume_path]
+        dist.broadcast_object_list(box, src=0)
+        resume_path = box[0]
     tok = load_tokenizer(cfg.model.tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the "

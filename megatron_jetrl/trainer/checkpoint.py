@@ -31,20 +31,28 @@ def _crc32(path: str) -> int:
     return crc
 
 
-def file_checksums(directory: str) -> dict[str, list[int]]:
-    """{relative path: [size, crc32]} of every file under ``directory`` but the checksum file itself."""
+def file_checksums(directory: str, keep=lambda rel: True) -> dict[str, list[int]]:
+    """{relative path: [size, crc32]} of the files under ``directory`` that ``keep`` selects (never the checksum
+    file itself)."""
     out = {}
     for root, _, files in os.walk(directory):
         for name in files:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, directory)
-            if rel != CHECKSUMS_FILE:
+            if rel != CHECKSUMS_FILE and keep(rel):
                 out[rel] = [os.path.getsize(path), _crc32(path)]
     return out
 
 
-def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at ``path`` cannot be resumed from (missing, truncated or changed files), or None."""
+def _own_shard(rel: str, rank: int) -> bool:
+    """torch_dist writes ``__{rank}_{n}.distcp`` per rank: each rank checksums its own (in parallel, each file
+    read once, by the rank that wrote it)."""
+    return re.fullmatch(rf"__{rank}_\d+\.distcp", rel) is not None
+
+
+def checkpoint_problem(path: str, crc: bool = True) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from (missing, truncated or, with ``crc``, changed files),
+    or None."""
     sums = os.path.join(path, CHECKSUMS_FILE)
     if not os.path.isfile(sums):
         return f"no {CHECKSUMS_FILE} (unfinished)"
@@ -53,13 +61,13 @@ def checkpoint_problem(path: str) -> str | None:
             want = json.load(f)
     except (OSError, ValueError) as e:
         return f"{CHECKSUMS_FILE} unreadable ({type(e).__name__})"
-    for rel, (size, crc) in sorted(want.items()):
+    for rel, (size, want_crc) in sorted(want.items()):
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
             return f"{rel} missing"
         if os.path.getsize(p) != size:
             return f"{rel} is {os.path.getsize(p)} bytes, {size} were written"
-        if _crc32(p) != crc:
+        if crc and _crc32(p) != want_crc:
             return f"{rel} changed since it was written (CRC-32)"
     return None
 
@@ -122,6 +130,11 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
     finally:
         if released:
             actor.release_weights()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    sums = [file_checksums(tmp, lambda rel: _own_shard(rel, rank))]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        sums = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(sums, file_checksums(tmp, lambda rel: _own_shard(rel, rank)))
     if rank0:
         state = dict(loop_state, step=step, scheduler=actor.scheduler.state_dict(), actor_steps=actor.steps,
                      skipped_steps=actor.skipped_steps, torch_rng=torch.get_rng_state().tolist())
@@ -129,9 +142,10 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
             json.dump(state, f)
         if model_cfg is not None:
             write_model_config(tmp, model_cfg)
-        sums = file_checksums(tmp)
+        merged = {k: v for part in sums for k, v in part.items()}
+        merged.update(file_checksums(tmp, lambda rel: rel not in merged))  # metadata, loop state, model config
         with open(os.path.join(tmp, CHECKSUMS_FILE), "w") as f:
-            json.dump(sums, f)
+            json.dump(merged, f)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -159,9 +173,10 @@ def checkpoints(ckpt_root: str) -> list[str]:
     return [os.path.join(ckpt_root, d) for _, d in sorted(steps, reverse=True)]
 
 
-def newest_intact_checkpoint(ckpt_root: str) -> str | None:
-    """The newest checkpoint, from the one ``latest`` names down, whose files match their checksums; each
-    newer one skipped is named in a one-line warning."""
+def newest_intact_checkpoint(ckpt_root: str, crc: bool = True) -> str | None:
+    """The newest checkpoint, from the one ``latest`` names down, whose files match their checksums (sizes only
+    without ``crc``: the other ranks of a job, which take rank 0's choice); each newer one skipped is named in a
+    one-line warning."""
     found = checkpoints(ckpt_root)
     marker = os.path.join(ckpt_root, "latest")
     try:
@@ -171,7 +186,7 @@ def newest_intact_checkpoint(ckpt_root: str) -> str | None:
     except OSError:
         pass
     for path in found:
-        why = checkpoint_problem(path)
+        why = checkpoint_problem(path, crc)
         if why is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, why)
