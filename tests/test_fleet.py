@@ -318,7 +318,7 @@ def test_pipeline_parallel_trainer_over_a_fleet(asynchronous, tmp_path):
                           "--master-port", str(free_port()), "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
                           "--run-dir", str(run_dir), f"steps={steps}", "algo.sft_warmup_steps=1", "rollout.engine=serve",
                           "rollout.num_servers=1", "rollout.weight_transport=disk", "parallel.pipeline_parallel=2",
-                          "rollout.prompts_per_step=2", "rollout.chunk_size=64", *extra],
+                          "rollout.prompts_per_step=2", "rollout.chunk_size=64", "eval.interval=0", *extra],
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _metrics(run_dir)
