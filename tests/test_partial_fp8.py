@@ -66,13 +66,18 @@ def test_smollm_shape_trains_in_jet_with_bf16_attention_over_a_fleet(tmp_path):
     assert not is_layer_skipped("model.layers.0.self_attn.o_proj", cfg.ignored_layers)
 
 
-def test_smollm_shape_trains_in_bf16(tmp_path):
-    """The same model in bf16 (no FP8 anywhere, so no shape rule): two steps with the in-process engine."""
+def test_smollm_shape_trains_in_bf16(tmp_path, megatron_single):
+    """The same model in bf16 (no FP8 anywhere, so no shape rule): a supervised and two RL steps in process."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.train import close, rl_step, setup, sft_step
+
     make_hf_model("llama", str(tmp_path / "hf"), seed=4, **SMOL)
-    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny", "--run-dir",
-                          str(tmp_path / "run"), f"model.hf_path={tmp_path / 'hf'}", "precision.mode=bf16", "steps=2",
-                          "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                          "eval.interval=0"], env=ENV, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = setup(load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), [
+        f"logging.run_dir={tmp_path / 'run'}", f"model.hf_path={tmp_path / 'hf'}", "precision.mode=bf16",
+        "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "eval.interval=0"]))
+    try:
+        rows = [sft_step(run), rl_step(run, 1), rl_step(run, 2)]
+    finally:
+        close(run)
     assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0] and all(r["update_ok"] == 1.0 for r in rows)
+    assert run.actor.fp8_state.num_fp8_layers == 6 and len(run.actor.fp8_state.bf16_linears) == 2

@@ -2,6 +2,7 @@
 checkpoint, and bad input stops with one line before anything is written."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -191,7 +192,10 @@ def test_float_values_as_yaml_writes_them(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not-utf8", "number-row", "tokenizer", "tp-2", "positions"])
-def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path):
+def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path, megatron_single):
+    """``setup()`` (what ``jetrl train`` runs; the CLI prints these errors as their one line, exit 2)."""
+    from megatron_jetrl.train import setup
+
     data = tmp_path / "data.jsonl"
     extra, message = {
         "not-utf8": (["data.path=" + str(data)], "is not UTF-8 (byte 0xff at column 1)"),
@@ -203,6 +207,7 @@ def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path):
     data.write_bytes({"not-utf8": b'\xff{"prompt": "1+1=", "answer": "2"}\n',
                       "number-row": b'{"prompt": "1+1=", "answer": "2"}\n5\n',
                       "tokenizer": '{"prompt": "1+1=é", "answer": "2"}\n'.encode()}.get(case, b""))
-    out = _jetrl("train", "--preset", "tiny", "--run-dir", tmp_path / "run", "steps=1", *extra)
-    assert out.returncode == 2 and message in _last_line(out), out.stderr[-1500:]
-    assert not (tmp_path / "run").exists()
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), [f"logging.run_dir={tmp_path / 'run'}", *extra])
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        setup(cfg)
+    assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "run").exists()
