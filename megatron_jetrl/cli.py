@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs")
-
-
-def _preset_path(name: str) -> str:
-    path = os.path.join(PRESET_DIR, f"{name}.yaml")
-    if not os.path.isfile(path):
-        have = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESET_DIR) else []
-        raise SystemExit(f"jetrl: unknown preset {name!r}; available: {', '.join(have) or 'none'}")
-    return path
+from megatron_jetrl.config import preset_path
 
 
 def cmd_train(args) -> int:
     from megatron_jetrl.config import ConfigError, load_config
 
-    path = args.config or (_preset_path(args.preset) if args.preset else None)
+    path = args.config or (preset_path(args.preset) if args.preset else None)
     overrides = list(args.overrides)
     if args.resume:
         overrides.append("checkpoint.resume=true")
@@ -93,7 +84,7 @@ def cmd_eval(args) -> int:
     try:
         model = read_model_config(args.checkpoint)  # the checkpoint's own model description
         shape = [f"model.{k}={json.dumps(v)}" for k, v in vars(model).items() if v is not None and k != "hf_path"]
-        cfg = load_config(args.config or (_preset_path(args.preset) if args.preset else None), [
+        cfg = load_config(args.config or (preset_path(args.preset) if args.preset else None), [
             *shape, f"checkpoint.load_path={args.checkpoint}", f"data.val_path={json.dumps(args.data)}", "steps=1",
             "algo.sft_warmup_steps=0", "eval.interval=1", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
             *args.overrides])

@@ -18,11 +18,10 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from megatron_jetrl import env
+from megatron_jetrl.errors import ConfigError  # noqa: F401  (raised here; importers take it from config too)
+
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line: field, problem, fix."""
 
 
 def _fail(path: str, problem: str, fix: str) -> None:
@@ -213,18 +212,16 @@ class PrecisionConfig:
     """FP8 GEMM backend: ``auto`` picks scaled_mm on Hopper+ and emulated elsewhere."""
     small_m_max: int = 64
     """Rollout forwards with at most this many tokens use the small-M Triton block-FP8 GEMM
-    (``precision/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the crossover
-    measured on the H200 (docs/benchmarks.md); ``jetrl bench linear --decode`` prints it for
-    your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
+    (``kernels/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the H200's crossover
+    (docs/benchmarks.md, "Decode linears"); ``jetrl bench linear --decode`` prints it for your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
     decode_gemm: Literal["tune", "cublas"] = "tune"
     """Static-decoder forwards above ``small_m_max`` rows (e.g. a 256-row rollout batch): ``tune`` times
-    cuBLAS's block-FP8 GEMM against DeepGEMM's (``precision/deepgemm.py``; built with
+    cuBLAS's block-FP8 GEMM against DeepGEMM's (``kernels/deepgemm.py``; built with
     ``tools/build_deepgemm_sm90.py``, found through ``JETRL_DEEPGEMM_DIR``) per weight shape, over all layers'
     weights, before the decoder's first CUDA-graph capture, and runs each shape on the faster; ``cublas``
     always cuBLAS. Without DeepGEMM (unset directory, not an sm_90 GPU) ``tune`` is ``cublas``. Same FP8 bytes
     and scales either way; the two kernels round the fp32 accumulator to BF16 after summing in different
-    orders. On the H200 (docs/benchmarks.md) the 8B batch-256 rollout ran 3% faster (1.225x bf16 vs 1.189x) and the
-    8-layer RL step's train-rollout mismatch stayed put (0.109 vs 0.110 on cuBLAS alone)."""
+    orders (docs/benchmarks.md, "Rollout": the rollout time and the train-rollout mismatch with and without)."""
     fuse_swiglu: bool = True
     """Gated MLPs, every mode: FP8 fc2 runs the SwiGLU inside its activation quantizer (one pass over
     fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a
@@ -246,7 +243,7 @@ class PrecisionConfig:
     """Weight gradients in every mode: the wgrad GEMM adds its fp32 result straight into megatron's fp32
     ``main_grad`` (TransformerEngine's and APEX's gradient-accumulation fusion) instead of returning a
     gradient that the DDP hook adds in a second pass: the FP8 wgrad through cuBLASLt with beta = 1
-    (``precision/cublaslt.py``), megatron's BF16 linears (the LM head; all linears in bf16 / fp8_rollout)
+    (``kernels/cublaslt.py``), megatron's BF16 linears (the LM head; all linears in bf16 / fp8_rollout)
     through ``torch.addmm`` with an fp32 output (``models/grad_accum.py``). Each falls back to the unfused
     path where it cannot run (cuBLAS < 12.9; BF16 parameters on CPU)."""
     params_dtype: Literal["bf16", "fp32"] = "bf16"
@@ -333,28 +330,23 @@ class RolloutConfig:
     """Static decoding on CUDA: capture each decode step in a CUDA graph (dense models)."""
     decode_bucket: int = 64
     """Static decoding with SDPA attention: a decode step reads the KV cache up to the next multiple of
-    this (one CUDA graph per multiple). 64 since session 16: on the H200 the 8B rollout at 1024 new
-    tokens ran 2-5% faster in both modes than with 256 (batch 256: bf16 15.29 -> 14.81 s, jet 13.07 ->
-    12.43 s), about what the exact-length Triton attention gains, with the RL step's train-rollout
-    mismatch unchanged within its spread (jet 0.124 -> 0.127; the Triton kernel: 0.152); the cost is more
-    graphs to capture once (batch 256: ~2.6-4 s on the first rollout instead of ~1-1.5 s)."""
+    this (one CUDA graph per multiple). Smaller buckets read fewer padded keys per step and capture more
+    graphs once (docs/benchmarks.md, "Rollout": 64 against 256 on the H200)."""
     decode_max_graphs: int = 32
     """Static decoding with SDPA attention: at most this many length buckets (CUDA graphs) per decoder; for long
     contexts the bucket widens to a multiple of ``decode_bucket`` (e.g. 1024 keys at 32K positions) instead of
-    capturing hundreds of graphs (~0.15-0.3 s each for an 8B model on the H200). 0: no limit."""
+    capturing hundreds of graphs (each takes a fraction of a second for an 8B model). 0: no limit."""
     decode_attention: Literal["sdpa", "triton"] = "sdpa"
     """Static decoding on CUDA, a decode step's attention: ``sdpa`` (default: torch SDPA over the bucket
-    with a mask, cuDNN's kernel on the H200, the kernel family the trainer's attention runs) or ``triton``
-    (``rollout/triton_attn.py``: reads keys up to the step's position only, one CUDA graph for every
-    length). On the H200 ``triton`` made the 8B rollout 4-5.5% faster in both modes but raised the
-    train-rollout mismatch by a quarter (mean abs logp, 8-layer RL step: bf16 0.0167 -> 0.0212, jet 0.125
-    -> 0.152): its rounding is independent of the trainer's cuDNN attention. docs/benchmarks.md.
-    Prefill always runs SDPA."""
+    with a mask, the kernel family the trainer's attention runs) or ``triton`` (``kernels/decode_attn.py``:
+    reads keys up to the step's position only, one CUDA graph for every length; its rounding is independent
+    of the trainer's attention, so the train-rollout mismatch is higher: docs/benchmarks.md, "Decode
+    attention"). Prefill always runs SDPA."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then
-    captures its graphs again: ~2.5-4.5 s on the H200 for an 8B model at 1152 positions with 64-key
-    buckets (one graph per bucket; a larger ``decode_bucket`` captures fewer)."""
+    captures its graphs again (seconds for an 8B model: one graph per bucket; a larger ``decode_bucket``
+    captures fewer)."""
 
     def __post_init__(self):
         _positive(self, "rollout", "decode_bucket", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
@@ -413,7 +405,7 @@ class AlgoConfig:
     forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of that
     forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
     and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per
-    step less (the 8-layer 8B step on the H200: bf16 4.14 -> 3.61 s, jet 3.31 -> 2.93 s). ``true``: a
+    step less (docs/benchmarks.md, "RL step"). ``true``: a
     separate forward pass before training (``time_logprob``; the training phase as the Jet-RL paper
     times it, and what a loop with several optimizer steps per batch would need)."""
     sft_warmup_steps: int = 0
@@ -582,8 +574,8 @@ class JetConfig:
     gc_freeze: bool = True
     """After setup, move every Python object alive then (torch, megatron-core, the model, the optimizer: ~0.4M
     objects) into the interpreter's permanent generation (``gc.freeze``), so Python's periodic full garbage
-    collections stop re-scanning them: each such pass took ~0.3 s on the CI machine and lands inside a phase at
-    random (the jitter seen in the H200 logprob timings). Undone at close; false keeps Python's default."""
+    collections stop re-scanning them (each such pass takes a fraction of a second and lands inside a phase at
+    random). Undone at close; false keeps Python's default."""
 
     def __post_init__(self):
         _positive(self, "", "steps")
@@ -634,7 +626,7 @@ class JetConfig:
             from megatron_jetrl.precision.te_backend import TEConfigError, check_te_numerics
 
             try:
-                check_te_numerics(FP8Recipe.from_config(self.precision), m, dict(os.environ))
+                check_te_numerics(FP8Recipe.from_config(self.precision), m, env.snapshot())
             except TEConfigError as e:
                 raise ConfigError(f"config error: {e}") from None
             _check(self.precision.mode != "jet" or all(
@@ -713,6 +705,18 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
         node = node.setdefault(key, {})
         _check(isinstance(node, dict), dotted, "is not a section", "override a leaf key")
     node[keys[-1]] = value
+
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs")
+
+
+def preset_path(name: str) -> str:
+    """The YAML file of a preset shipped in ``examples/configs`` (exits with one line naming the ones there)."""
+    path = os.path.join(PRESET_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        have = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESET_DIR) else []
+        raise SystemExit(f"jetrl: unknown preset {name!r}; available: {', '.join(have) or 'none'}")
+    return path
 
 
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> JetConfig:

@@ -1,12 +1,12 @@
 """Process groups: torch.distributed (NCCL on GPU, gloo on CPU) + megatron-core model parallel."""
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
+from megatron_jetrl.env import launched, local_rank
 from megatron_jetrl.config import ConfigError, ParallelConfig
 
 
@@ -29,10 +29,10 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         enable_cpu_megatron()
     if not dist.is_initialized():
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
+            torch.cuda.set_device(local_rank())
+        if launched():  # torchrun / Slurm: env:// rendezvous
             dist.init_process_group("nccl" if cuda else "gloo")
-        else:  # a single process; nothing is written to os.environ (child processes stay clean)
+        else:  # a single process; nothing is written to the environment (child processes stay clean)
             # an in-memory store: no port at all (torch's TCPStore listens on every interface, and a port
             # picked first and bound later raced with other processes starting at the same moment)
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -110,3 +110,31 @@ def init_custom_group(backend: str, master_address: str, master_port: int, rank:
                                       group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def dp_rank_size() -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel world size)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def reduce_over_dp(m: dict) -> dict:
+    """Step metrics as one number per run: mean over the DP ranks that report a key (max/min for
+    *_max/*_min). Ranks may report different keys (only rank 0 talks to a fleet's servers)."""
+    from megatron.core import parallel_state
+
+    if dp_rank_size()[1] == 1:
+        return m
+    mine = {k: float(v) for k, v in m.items()}
+    every = [None] * dp_rank_size()[1]
+    dist.all_gather_object(every, mine, group=parallel_state.get_data_parallel_group())
+    out = {}
+    for k in sorted(set().union(*every)):
+        vals = [d[k] for d in every if k in d]
+        out[k] = max(vals) if k.endswith("_max") else min(vals) if k.endswith("_min") else sum(vals) / len(vals)
+    return out
+
+
+def is_logging_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

@@ -3,3 +3,7 @@
 
 class TrainingError(RuntimeError):
     """The run cannot go on: non-finite weights, gradients or logits."""
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line: field, problem, fix."""

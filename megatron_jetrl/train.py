@@ -1,4 +1,10 @@
-"""The RL loop: rollout -> reward -> logprobs -> train -> FP8 re-quantization + hand-over."""
+"""The RL loop: rollout -> reward -> logprobs -> train -> FP8 re-quantization + hand-over.
+
+``setup`` builds a run (model, FP8 state, actor, engine, scheduler) from a config, ``rl_step`` is one GRPO step,
+``sft_step`` one supervised warm-up step, ``train`` the loop with evaluation and checkpoints. How rollout and
+training share the GPUs is the scheduler's (``scheduler/``), how weights reach the rollout the hand-over's
+(``sync/handover.py``).
+"""
 from __future__ import annotations
 
 import logging
@@ -11,21 +17,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_jetrl.config import ConfigError, JetConfig, save_config
-from megatron_jetrl.data.prompts import PromptStream, Sample, load_prompts, synthetic_arithmetic
+from megatron_jetrl.data.dataset import check_prompts, stop_token_ids, train_samples, val_samples
+from megatron_jetrl.data.prompts import PromptStream, Sample
 from megatron_jetrl.data.tokenizer import load_tokenizer
-from megatron_jetrl.distributed import is_rank0
+from megatron_jetrl.distributed import dp_rank_size, is_logging_rank, is_rank0, reduce_over_dp
+from megatron_jetrl.errors import TrainingError
 from megatron_jetrl.metrics.logger import MetricsLogger
-from megatron_jetrl.models.builder import DTYPES, build_model
+from megatron_jetrl.models.builder import DTYPES, apply_precision_settings, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rewards import get_reward
-from megatron_jetrl.rollout.base import SamplingParams
+from megatron_jetrl.rollout.base import RolloutEngine, SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
-from megatron_jetrl.sync.export import ExportOptions, hf_bf16_linears, iter_hf_tensors
-from megatron_jetrl.sync.transport import InProcessTransport
+from megatron_jetrl.sync.export import iter_hf_tensors
+from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer import loss as L
-from megatron_jetrl.trainer.actor import Actor, RLBatch, build_batch
-from megatron_jetrl.errors import TrainingError
-from megatron_jetrl.trainer.checkpoint import checkpoints, load_checkpoint, newest_intact_checkpoint, save_checkpoint
+from megatron_jetrl.trainer.actor import Actor, build_batch
+from megatron_jetrl.trainer.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
+from megatron_jetrl.trainer.run_dir import check_run_dir, clear_run
 
 log = logging.getLogger("jetrl")
 
@@ -35,7 +43,7 @@ class Run:
     cfg: JetConfig
     tokenizer: object
     actor: Actor
-    engine: object  # LocalEngine or rollout.sglang.RolloutFleet
+    engine: RolloutEngine
     stream: PromptStream
     reward_fn: object
     logger: MetricsLogger | None
@@ -45,50 +53,6 @@ class Run:
     scheduler: object = None
     val: list = field(default_factory=list)  # held-out samples (eval), this DP rank's share
     gc_frozen: int = 0  # Python objects frozen at setup (``gc_freeze``); unfrozen by close()
-
-
-def export_options(cfg: JetConfig, recipe: FP8Recipe) -> ExportOptions:
-    """What the rollout receives: FP8 bytes + scales when it runs FP8; the other tensors in BF16
-    (SGLang) or the trainer's parameter dtype (in process, ``jetrl serve``)."""
-    dtype = torch.bfloat16 if cfg.rollout.engine == "sglang" else DTYPES[cfg.precision.params_dtype]
-    return ExportOptions(fp8=recipe.rollout_fp8, dtype=dtype)
-
-
-def disk_push(run: "Run", version: int, items, record_hashes: bool = True) -> tuple[str, dict]:
-    """Write the rollout's weights as an HF directory in the run dir (every rank its share), with
-    weight_hashes.json (what the receiver verifies) when ``record_hashes``: parity-check steps only,
-    hashing every tensor is not free on large models (``logging.parity_interval``)."""
-    from megatron_jetrl.sync.transport import DiskTransport
-
-    recipe = run.actor.fp8_state.recipe
-    path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, "rollout", "weights"))
-    qc = (recipe.hf_quantization_config(hf_bf16_linears(run.actor.module, run.cfg.model, run.actor.fp8_state))
-          if recipe.rollout_fp8 else None)
-    m = DiskTransport(path, run.cfg.model.to_hf_config(), quantization_config=qc, collective=True,
-                      bucket_bytes=run.cfg.rollout.bucket_mb << 20, record_hashes=record_hashes).push(version, items)
-    return path, m
-
-
-def start_fleet(cfg: JetConfig, recipe: FP8Recipe, model_dir: str):
-    """Rank 0 launches (or attaches to) the servers; every other rank attaches to the same URLs."""
-    from megatron_jetrl.rollout.sglang import RolloutFleet
-
-    urls = [None]
-    if is_rank0():
-        fleet = RolloutFleet(cfg, recipe, cfg.logging.run_dir, model_dir, cfg.scheduler.mode == "colocated",
-                             trainer_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        fleet.start()
-        urls = [fleet.urls]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(urls, src=0)
-    if not is_rank0():
-        import dataclasses
-
-        attached = dataclasses.replace(cfg.rollout, server_addresses=urls[0])
-        fleet = RolloutFleet(dataclasses.replace(cfg, rollout=attached), recipe, cfg.logging.run_dir, None, False)
-        for srv in fleet.servers:
-            srv.up = True
-    return fleet
 
 
 @contextmanager
@@ -102,102 +66,11 @@ def timed(metrics: dict, name: str):
     metrics[f"time_{name}"] = time.perf_counter() - t0
 
 
-def is_logging_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-
-
-# What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
-# The settings a resumed run must share with the run it continues.
-SAME_RUN_KEYS = ("model", "seed", "precision.mode", "precision.scale_fmt", "data.path", "data.reward")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def check_run_dir(cfg: JetConfig) -> str | None:
-    """Before anything is written: the checkpoint to resume from (None for a fresh run). ``--resume`` needs an
-    intact checkpoint of a run with the same model, seed and precision; a fresh run needs a run directory
-    without another run's checkpoints or metrics (or ``checkpoint.overwrite``). One-line ``ConfigError``s."""
-    import yaml
-
-    from megatron_jetrl.config import config_to_dict
-
-    run_dir = cfg.logging.run_dir
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if cfg.checkpoint.resume:  # every file read once, by rank 0 (the others check sizes, then take its choice)
-        path = newest_intact_checkpoint(ckpt_dir, crc=os.environ.get("RANK", "0") == "0")
-        if path is None:
-            raise ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
-                              "--resume, or give the run directory that holds the run")
-        saved = os.path.join(run_dir, "config.yaml")
-        if os.path.isfile(saved):
-            with open(saved) as f:
-                old = _flat(yaml.safe_load(f) or {})
-            new = _flat(config_to_dict(cfg))
-            diff = [k for k in sorted(new) if k.startswith(SAME_RUN_KEYS) and k in old and old[k] != new[k]]
-            if diff:
-                raise ConfigError(f"config error: {diff[0]}: the run in {run_dir} has {old[diff[0]]!r}, this config "
-                                  f"{new[diff[0]]!r}{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; "
-                                  "resume with the run's own settings (its config.yaml)")
-        return path
-    held = [os.path.basename(p) for p in checkpoints(ckpt_dir)]
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(metrics) and os.path.getsize(metrics):
-        held.append("metrics.jsonl")
-    if held and not cfg.checkpoint.overwrite:
-        raise ConfigError(f"config error: logging.run_dir: {run_dir} holds another run ({', '.join(held[:3])}"
-                          f"{', ...' if len(held) > 3 else ''}); resume it with --resume, use another --run-dir, "
-                          "or pass --overwrite to delete it")
-    return None
-
-
-def stop_token_ids(cfg: JetConfig, tok) -> tuple[int, ...]:
-    """What ends a response: the tokenizer's eos, every eos id of the checkpoint's generation_config.json and
-    config.json (instruct models end turns with several), and ``rollout.stop_token_ids``."""
-    ids = [tok.eos_id] if tok.eos_id is not None else []
-    for source in (cfg.model.generation_config or {}, cfg.model.special_tokens):
-        eos = source.get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return tuple(dict.fromkeys(int(i) for i in ids + list(cfg.rollout.stop_token_ids)))
-
-
-def check_prompts(cfg: JetConfig, tok, samples: list[Sample]) -> None:
-    """Before anything is written: every prompt encodes, and the longest plus ``rollout.max_new_tokens`` fits
-    the model's positions (one line each); a group of one sample is warned about."""
-    from megatron_jetrl.data.prompts import DataError
-
-    longest = 0
-    for n, s in enumerate(samples, 1):
-        try:
-            ids = encode_prompt(tok, s)
-            tok.encode(s.answer)
-        except ValueError as e:
-            raise DataError(f"data: prompt {n}: {str(e).splitlines()[0]}") from None
-        longest = max(longest, len(ids))
-        if n == 1:
-            log.info("the first prompt as the policy sees it: %r", tok.render(ids))
-    need = longest + cfg.rollout.max_new_tokens
-    if need > cfg.model.max_position_embeddings:
-        raise ConfigError(f"config error: rollout.max_new_tokens: the longest prompt ({longest} tokens) + "
-                          f"{cfg.rollout.max_new_tokens} new tokens exceed model.max_position_embeddings="
-                          f"{cfg.model.max_position_embeddings}; lower rollout.max_new_tokens to "
-                          f"{max(0, cfg.model.max_position_embeddings - longest)} or shorten the prompts")
-    if cfg.rollout.n_samples_per_prompt == 1 and cfg.steps:
-        log.warning("rollout.n_samples_per_prompt=1: each GRPO group holds one sample, so every advantage is 0 and "
-                    "the RL steps change nothing; use 2 or more")
-
-
 def setup(cfg: JetConfig) -> Run:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.hf_io import load_hf_weights
 
-    samples = (load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.path
-               else synthetic_arithmetic(cfg.data.synthetic_size, cfg.seed))  # bad data fails before any process group
+    samples = train_samples(cfg)  # bad data fails before any process group
     reward_fn = get_reward(cfg.data.reward)
     val = val_samples(cfg) if cfg.eval.interval else []
     resume_path = check_run_dir(cfg)
@@ -214,23 +87,12 @@ def setup(cfg: JetConfig) -> Run:
     recipe = FP8Recipe.from_config(cfg.precision)
     dtype = DTYPES[cfg.precision.params_dtype]
     model, fp8_state = build_model(cfg.model, cfg.parallel, recipe, dtype, cfg.precision.backend)
-    fp8_state.small_m_max = cfg.precision.small_m_max
-    fp8_state.decode_gemm = cfg.precision.decode_gemm
-    fp8_state.fuse_swiglu = cfg.precision.fuse_swiglu
-    fp8_state.fuse_wgrad_accumulation = cfg.precision.fuse_wgrad_accumulation
-    fp8_state.release_bf16_weights = cfg.precision.release_bf16_weights
-    fp8_state.cache_dgrad_weights = cfg.precision.cache_dgrad_weights
+    apply_precision_settings(fp8_state, cfg.precision)
     if cfg.model.hf_path and not cfg.checkpoint.load_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, fp8_state)
     total = cfg.steps * cfg.algo.mini_batches + cfg.algo.sft_warmup_steps  # optimizer steps (the LR schedule's length)
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
-    engine = None
-    if cfg.rollout.engine == "local":
-        r = cfg.rollout
-        engine = LocalEngine(model, fp8_state, tok.pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
-                             model_cfg=cfg.model, decode=r.decode, cuda_graphs=r.cuda_graphs,
-                             bucket=r.decode_bucket, keep_cache=r.keep_decode_cache, attention=r.decode_attention,
-                             max_graphs=r.decode_max_graphs)
+    engine = LocalEngine.from_config(model, fp8_state, cfg, tok.pad_id) if cfg.rollout.engine == "local" else None
     stream = PromptStream(samples, cfg.seed)
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -252,11 +114,7 @@ def setup(cfg: JetConfig) -> Run:
         refresh_fp8_weights(actor.module, fp8_state)
         log.info("model weights from %s", cfg.checkpoint.load_path)
     if cfg.checkpoint.overwrite and is_rank0():  # the user asked: the previous run's files go
-        import shutil
-
-        for name in RUN_FILES:
-            p = os.path.join(run_dir, name)
-            shutil.rmtree(p) if os.path.isdir(p) else os.path.exists(p) and os.remove(p)
+        clear_run(run_dir)
     if dist.is_initialized():
         dist.barrier()
     if is_logging_rank():
@@ -267,13 +125,15 @@ def setup(cfg: JetConfig) -> Run:
                               cfg.rollout.top_k, stop_token_ids(cfg, tok))
     run = Run(cfg, tok, actor, engine, stream, reward_fn, logger, sampling, start, ckpt_dir)
     if cfg.eval.interval:
-        rank, dp = _dp()
+        rank, dp = dp_rank_size()
         run.val = val[rank::dp]
     from megatron_jetrl.scheduler import make_scheduler
 
     run.scheduler = make_scheduler(run)
     if engine is None:  # last: a fleet starts from the trainer's current weights, written to the run dir
         model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
+        from megatron_jetrl.rollout.sglang import start_fleet
+
         run.engine = start_fleet(cfg, recipe, model_dir)
     if cfg.gc_freeze:
         from megatron_jetrl.memory import freeze_python_gc
@@ -282,96 +142,11 @@ def setup(cfg: JetConfig) -> Run:
     return run
 
 
-def encode_prompt(tok, sample: Sample) -> list[int]:
-    """The ids the policy sees for ``sample``'s prompt (chat template or bos + text: ``Tokenizer.encode_prompt``)."""
-    return tok.encode_prompt(sample.prompt)
-
-
 def score(run: Run, samples: list[Sample], gens, n: int | None = None) -> torch.Tensor:
     """Rewards of ``gens``, ``n`` (default ``rollout.n_samples_per_prompt``) consecutive ones per sample."""
     n = n or run.cfg.rollout.n_samples_per_prompt
     return torch.tensor([run.reward_fn(run.tokenizer.decode(g.output_ids), samples[i // n].answer,
                                        samples[i // n].metadata) for i, g in enumerate(gens)])
-
-
-def hand_over_weights(run: Run, version: int) -> dict:
-    """Export the weights as the rollout receives them (FP8 bytes + scales of the trainer's cache
-    when the rollout is FP8) and hand them over; the receiver checks the hashes (every
-    ``logging.parity_interval`` steps)."""
-    every = run.cfg.logging.parity_interval
-    check = bool(every) and version % every == 0
-    opts = export_options(run.cfg, run.actor.fp8_state.recipe)
-    if not hasattr(run.engine, "push_weights"):
-        if not check:
-            return run.engine.update_weights(version, None)
-        return InProcessTransport(run.engine).push(version, iter_hf_tensors(run.actor.module, run.cfg.model, opts))
-    # Fleet: rank 0 restarts dead servers, then every rank takes part in the export (TP gathers,
-    # per-stage disk shards); rank 0 sends.
-    fleet, items = run.engine, iter_hf_tensors(run.actor.module, run.cfg.model, opts)
-    m = {}
-    if dist.is_initialized():
-        dist.barrier()  # every rank's in-flight rollout is done before the servers' weights change
-    if is_rank0():
-        fleet.heal()
-        m = fleet.push_weights(version, items, check, lambda v, it: disk_push(run, v, it, check))
-        m.update(fleet.metrics)
-    elif run.cfg.rollout.weight_transport == "disk":
-        disk_push(run, version, items, check)
-    else:
-        for _ in items:
-            pass
-    if dist.is_initialized():
-        dist.barrier()
-        # rank 0's push metrics (sync time and bytes, FP8 parity, fleet health) for every rank: the logging
-        # rank is the last one, in another data-parallel group than rank 0 when there are pipeline stages
-        box = [m]
-        dist.broadcast_object_list(box, src=0)
-        m = box[0]
-    if not is_rank0():  # rank 0 restarted whatever was down: every server is back for every rank
-        for srv in fleet.servers:
-            srv.up = True
-    return m
-
-
-def _dp() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-
-
-def my_prompts(run: Run, n: int) -> list[Sample]:
-    """This data-parallel rank's ``n`` prompts: every rank draws the same ``n * dp`` from the shared
-    stream (so the stream position stays one number) and takes its own slice."""
-    rank, dp = _dp()
-    return run.stream.next(n * dp)[rank * n:(rank + 1) * n]
-
-
-def reduce_over_dp(m: dict) -> dict:
-    """Step metrics as one number per run: mean over the DP ranks that report a key (max/min for
-    *_max/*_min). Ranks may report different keys (only rank 0 talks to a fleet's servers)."""
-    from megatron.core import parallel_state
-
-    if _dp()[1] == 1:
-        return m
-    mine = {k: float(v) for k, v in m.items()}
-    every = [None] * _dp()[1]
-    dist.all_gather_object(every, mine, group=parallel_state.get_data_parallel_group())
-    out = {}
-    for k in sorted(set().union(*every)):
-        vals = [d[k] for d in every if k in d]
-        out[k] = max(vals) if k.endswith("_max") else min(vals) if k.endswith("_min") else sum(vals) / len(vals)
-    return out
-
-
-def val_samples(cfg: JetConfig) -> list[Sample]:
-    """The held-out prompts: ``data.val_path``, or the synthetic task's own (another seed); ``eval.max_prompts``."""
-    if cfg.data.val_path:
-        out = load_prompts(cfg.data.val_path, cfg.data.prompt_key, cfg.data.answer_key)
-    elif not cfg.data.path:
-        out = synthetic_arithmetic(cfg.data.val_size, cfg.seed + 1)
-    else:
-        out = []
-    return out[:cfg.eval.max_prompts] if cfg.eval.max_prompts else out
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -384,7 +159,7 @@ def evaluate(run: Run, step: int) -> dict:
     cfg, m = run.cfg.eval, {}
     if not run.val:
         return m
-    prompts = [encode_prompt(run.tokenizer, s) for s in run.val]
+    prompts = [run.tokenizer.encode_prompt(s.prompt) for s in run.val]
     if cfg.greedy:
         gens = run.scheduler.evaluate(step, prompts, replace(run.sampling, temperature=0.0))
         m["eval/accuracy"] = float(score(run, run.val, gens, 1).mean())
@@ -465,15 +240,16 @@ def rl_step(run: Run, step: int) -> dict:
 
 def sft_step(run: Run) -> dict:
     tok = run.tokenizer
-    samples = my_prompts(run, run.cfg.rollout.prompts_per_step * run.cfg.rollout.n_samples_per_prompt)
-    prompts = [encode_prompt(tok, s) for s in samples]
+    samples = run.stream.next_share(run.cfg.rollout.prompts_per_step * run.cfg.rollout.n_samples_per_prompt,
+                                    *dp_rank_size())
+    prompts = [tok.encode_prompt(s.prompt) for s in samples]
     answers = [tok.encode(s.answer) + [tok.eos_id] for s in samples]
     batch = build_batch(prompts, answers, [[0.0] * len(a) for a in answers], torch.zeros(len(samples)),
                         tok.pad_id, next(run.actor.module.parameters()).device)
     m = {}
     with timed(m, "train"):
         m.update(run.actor.sft_step(batch))
-    if not hasattr(run.engine, "push_weights"):
+    if not run.engine.remote:
         m.update(run.engine.update_weights(run.actor.steps, None))
     elif run.actor.steps == run.cfg.algo.sft_warmup_steps:  # a fleet gets the weights once, before RL
         m.update(run.scheduler.hand_over(run.actor.steps))
@@ -524,7 +300,7 @@ def close(run: Run) -> None:
     """Stop the scheduler's background work and the fleet's servers; close the logger."""
     if run.scheduler is not None:
         run.scheduler.close()
-    if hasattr(run.engine, "shutdown"):
+    if run.engine is not None:
         run.engine.shutdown()
     if run.logger:
         run.logger.close()

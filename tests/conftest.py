@@ -6,19 +6,29 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "slow: multi-process or long CPU test")
+# The kind of each test file (markers registered in pyproject.toml; ``pytest -m unit``, ``-m e2e``, ``-m gpu``):
+# unit: one module or kernel in process; e2e: whole training runs, servers, several processes; gpu: CUDA only.
+KIND = {
+    "test_precision.py": "unit", "test_fp8_model.py": "unit", "test_loss.py": "unit", "test_config.py": "unit",
+    "test_models.py": "unit", "test_rewards_data.py": "unit", "test_sync.py": "unit", "test_partial_fp8.py": "unit",
+    "test_architecture.py": "unit", "test_sglang_contract.py": "unit",
+    "test_rl.py": "e2e", "test_fleet.py": "e2e", "test_chat_eval.py": "e2e", "test_reliability.py": "e2e",
+    "test_convert.py": "e2e", "test_launch.py": "e2e", "test_bench.py": "e2e",
+    "test_gpu.py": "gpu",
+}
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        kind = KIND.get(item.path.name)
+        if kind is None:
+            raise pytest.UsageError(f"{item.path.name}: not in tests/conftest.py's KIND table; add it as unit, e2e or gpu")
+        if kind not in item.keywords:
+            item.add_marker(getattr(pytest.mark, kind))
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 

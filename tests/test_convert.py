@@ -167,7 +167,7 @@ def test_special_tokens_generation_config_and_stop_ids_carry_through(tmp_path, m
     top_p) survive HF -> megatron -> HF; every eos id, plus rollout.stop_token_ids, ends a response."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.data.tokenizer import CharTokenizer
-    from megatron_jetrl.train import stop_token_ids
+    from megatron_jetrl.data.dataset import stop_token_ids
 
     src = tmp_path / "hf"
     make_hf_model("llama", str(src), seed=1, bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0)

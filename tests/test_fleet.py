@@ -496,7 +496,7 @@ def tiny_rollout_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tiny0")
     code = ("import torch\n"
             "from megatron_jetrl.config import load_config\n"
-            "from megatron_jetrl.train import setup, close, disk_push\n"
+            "from megatron_jetrl.train import setup, close\nfrom megatron_jetrl.sync.handover import disk_push\n"
             "from megatron_jetrl.sync.export import ExportOptions, iter_hf_tensors\n"
             f"cfg = load_config({os.path.join(REPO, 'examples/configs/tiny.yaml')!r}, ['logging.run_dir={run_dir}'])\n"
             "run = setup(cfg)\n"  # what an SGLang server gets: FP8 linears, the rest in BF16

@@ -99,11 +99,11 @@ def test_unaligned_fp8_linears_stay_bf16(megatron_single):
     assert mods["decoder.layers.0.mlp.linear_fc1"].fp8_active()
 
 
-def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single, monkeypatch):
+def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single):
     """With head_dim 128 the rollout permutation of the fused QKV moves whole 128-row blocks, so the
     training GEMMs use the cached blocks reordered into Megatron's row order (no permutation of y, dy,
     dW): those bytes and scales are exactly the 128x128 quantization of the Megatron-order weight, and
-    the forward and gradients equal the permuted path's (``JETRL_QKV_TRAIN_ORDER=0``). With head_dim
+    the forward and gradients equal the permuted path's (``FP8ModelState.qkv_train_order=False``). With head_dim
     64 a block holds two heads and the permuted path stays."""
     from megatron_jetrl.precision.linear import _whole_block_map
 
@@ -113,8 +113,8 @@ def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single,
     pos = torch.arange(12).expand_as(tokens)
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("JETRL_QKV_TRAIN_ORDER", flag)
         _, model, state = build_loaded(path, ["precision.mode=jet"])
+        state.qkv_train_order = flag == "1"
         qkv = model.decoder.layers[-1].self_attention.linear_qkv  # its dy does not pass through a QKV dgrad
         cache = qkv.fp8_cache
         assert cache.train_blocks is not None

@@ -28,7 +28,7 @@ def _same(a, b):
 @pytest.mark.parametrize("shape", [(7, 300), (4096, 4096), (3000, 1000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_act_quant_bit_identical(shape, scale_fmt, dtype):
-    from megatron_jetrl.precision.triton_quant import quantize_act_triton
+    from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 
     recipe = FP8Recipe(scale_fmt=scale_fmt)
     x = _x(shape, dtype)
@@ -156,7 +156,7 @@ def test_small_m_triton_gemm_bytes_and_result(M, N, K, scale_fmt):
     bf16 rounding: Hopper's FP8 tensor-core accumulator keeps fewer bits than fp32 inside each
     128-wide K step (the kernel promotes to fp32 per step, as cuBLAS does), so the bound is the one
     scaled_mm meets (measured 1.2e-4), not fp32's."""
-    from megatron_jetrl.precision.triton_gemm import small_m_linear
+    from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
     recipe = FP8Recipe(scale_fmt=scale_fmt)
     x = _x((M, K))
@@ -177,8 +177,8 @@ def test_small_m_gemm_layouts_agree(M, N, K, swap, tma):
     """The swapped-operand layout and the TMA loads compute the plain kernel's GEMM from the same bytes:
     equal to the dequantized reference within the FP8 tensor-core accumulator's bound (the same bound as
     test_small_m_triton_gemm_bytes_and_result), and to the plain kernel within twice that."""
-    from megatron_jetrl.precision.triton_gemm import small_m_linear
-    from megatron_jetrl.precision.triton_quant import quantize_act_triton
+    from megatron_jetrl.kernels.triton_gemm import small_m_linear
+    from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 
     recipe = FP8Recipe()
     x = _x((M, K))
@@ -194,16 +194,12 @@ def test_small_m_gemm_layouts_agree(M, N, K, swap, tma):
     assert ((y_bf16.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("mode,small_m,pdl,attention", [("bf16", 0, "0", "sdpa"), ("jet", 0, "0", "sdpa"),
-                                                        ("jet", 256, "0", "sdpa"), ("bf16", 0, "1", "sdpa"),
-                                                        ("jet", 256, "1", "sdpa"), ("jet", 256, "0", "triton"),
-                                                        ("bf16", 0, "0", "triton")])
-def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, attention, tmp_path, megatron_single, monkeypatch):
+@pytest.mark.parametrize("mode,small_m,attention", [("bf16", 0, "sdpa"), ("jet", 0, "sdpa"), ("jet", 256, "sdpa"),
+                                                    ("jet", 256, "triton"), ("bf16", 0, "triton")])
+def test_graph_captured_decode_equals_eager_decode(mode, small_m, attention, tmp_path, megatron_single):
     """The static decoder replaying CUDA graphs draws the same tokens with the same logprobs as the
     same decoder run eagerly, across bucket edges, and keeps doing so after a weight update that
-    refreshes the FP8 cache in place (the captured graphs must read the new bytes). With ``pdl`` the
-    graphs are captured with programmatic dependent launch (JETRL_PDL=1) and the eager reference runs
-    without it: overlapping the kernels' launches must not change a byte. With the exact-length Triton
+    refreshes the FP8 cache in place (the captured graphs must read the new bytes). With the exact-length Triton
     attention one graph serves every length (it reads the key count from the position tensor)."""
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
@@ -222,7 +218,6 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, pdl, attention
                                attention=attention) for gr in (False, True)}
 
     def gen(gr):
-        monkeypatch.setenv("JETRL_PDL", pdl if gr else "0")
         return engines[gr].generate(prompts, params)
 
     outs = {gr: [gen(gr)] for gr in engines}
@@ -295,7 +290,7 @@ def test_swiglu_backward_kernel_equals_torch(M, F, dtype):
 @pytest.mark.parametrize("shape", [(14336, 4096), (300, 77), (4096, 128)])
 def test_fp8_transpose_kernel_bytes(shape):
     """dgrad's K-major weight copy: the Triton transpose's bytes equal torch's strided copy."""
-    from megatron_jetrl.precision.triton_quant import transpose_bytes_triton
+    from megatron_jetrl.kernels.triton_quant import transpose_bytes_triton
 
     q, _ = quantize_weight(_x(shape), FP8Recipe())
     t = transpose_bytes_triton(q)
@@ -307,13 +302,13 @@ def test_fp8_transpose_kernel_bytes(shape):
                                                   (5, 32, 8, 128, 4096, 3000, 0), (3, 6, 6, 80, 300, 0, 2),
                                                   (256, 32, 8, 128, 1152, 1000, 1)])
 def test_decode_attention_kernel_equals_reference(b, H, G, D, L, pos, splits, dtype):
-    """The exact-length decode attention (``rollout/triton_attn.py``) against the fp32 attention over keys
+    """The exact-length decode attention (``kernels/decode_attn.py``) against the fp32 attention over keys
     0..pos with left pads masked (keys past pos marked valid must be ignored), and against SDPA over the
     bucket with the decoder's additive mask: within the cache dtype's rounding (bf16: P is rounded to bf16
     for the PV product, as SDPA's kernels do). ``splits`` 0: the decoder's default for that batch."""
     import torch.nn.functional as F
 
-    from megatron_jetrl.rollout.triton_attn import decode_attention, default_splits
+    from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, H, D, device="cuda", generator=g).to(dtype)
@@ -367,7 +362,7 @@ def test_rope_and_cache_kernel_equals_megatron_rope(S, b, H, G, D, rot, dtype):
     views megatron's fused QKV split returns, partial rotary (rot < head dim), GQA and MHA."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables
+    from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hpg = H // G
@@ -393,15 +388,14 @@ def test_rope_and_cache_kernel_equals_megatron_rope(S, b, H, G, D, rot, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("S,b,H,G,D,rot", [(4096, 1, 32, 8, 128, 128), (37, 3, 4, 2, 64, 32), (5, 2, 6, 6, 80, 80)])
-def test_training_rope_equals_megatron_eager_rope(S, b, H, G, D, rot, dtype, monkeypatch):
-    """The training RoPE (``models/rope.py``) gives the bytes of megatron-core's unfused RoPE forward and
+def test_training_rope_equals_megatron_eager_rope(S, b, H, G, D, rot, dtype):
+    """The training RoPE (``kernels/rope_train.py``) gives the bytes of megatron-core's unfused RoPE forward and
     of its eager autograd backward, on the strided q/k views of the fused QKV split; the model builder
-    routes megatron's ``apply_rotary_pos_emb`` to it (``apply_rope_fusion``) and ``JETRL_FUSED_ROPE=0``
-    keeps the eager ops."""
+    routes megatron's ``apply_rotary_pos_emb`` to it (``apply_rope_fusion``)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from megatron_jetrl.config import ModelConfig, ParallelConfig
-    from megatron_jetrl.models import rope
+    from megatron_jetrl.kernels import rope_train as rope
     from megatron_jetrl.models.builder import transformer_config
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -425,8 +419,6 @@ def test_training_rope_equals_megatron_eager_rope(S, b, H, G, D, rot, dtype, mon
     assert cfg.apply_rope_fusion and rope_utils.fused_apply_rotary_pos_emb is rope.fused_rope
     out = rope_utils.apply_rotary_pos_emb(k, freqs, cfg)
     assert _same(out, rope_utils._apply_rotary_pos_emb_bshd(k, freqs).contiguous())
-    monkeypatch.setenv("JETRL_FUSED_ROPE", "0")
-    assert not transformer_config(ModelConfig(), ParallelConfig(), dtype).apply_rope_fusion
 
 
 @pytest.mark.parametrize("N", [4096, 128, 5120])
@@ -434,7 +426,8 @@ def test_triton_rmsnorm_matches_torch_and_is_batch_invariant(N):
     """``models.norm.JetRMSNorm`` on CUDA (one Triton kernel) vs torch's fused ``rms_norm`` in bf16: at
     most one bf16 ulp apart on under 1% of elements (the fp32 sum of squares is reduced in another
     order, rsqrt is exact here; a first version that rounded x*rstd to bf16 before the weight, as
-    torch's composite does, differed on 25% of elements: torch's CUDA kernel rounds once); every row's bytes are the same whether the call has 1, 64 or 8192 rows (decode step vs trainer
+    torch's composite does, differed on 25% of elements: torch's CUDA kernel rounds once); every row's bytes are the same
+    whether the call has 1, 64 or 8192 rows (decode step vs trainer
     forward); the backward (one Triton pass, dw from per-program partials) matches torch's autograd
     to bf16 rounding."""
     from megatron_jetrl.models.norm import JetRMSNorm
@@ -449,7 +442,7 @@ def test_triton_rmsnorm_matches_torch_and_is_batch_invariant(N):
     assert (y != ref).float().mean() < 0.01 and float(ulp.max()) <= 2 ** -7
     for rows in (1, 64):
         assert torch.equal(norm(x[:rows].clone()), y[:rows])
-    xa, xb = x[:3001].clone().requires_grad_(), x[:3001].clone().requires_grad_()  # 3 rows per backward program, a partial last one
+    xa, xb = x[:3001].clone().requires_grad_(), x[:3001].clone().requires_grad_()  # 3 rows per program, a partial last one
     dy = torch.randn_like(xa)
     norm(xa).backward(dy)
     wa = norm.weight.grad.clone()
@@ -464,7 +457,7 @@ def test_small_m_gemm_with_fused_swiglu_equals_swiglu_then_gemm(M):
     """fc2 at decode sizes: the small-M GEMM fed by the fused SwiGLU quantizer gives the bytes of
     torch's SwiGLU followed by the same GEMM (same activation bytes, same kernel and plan)."""
     from megatron_jetrl.precision.quant import swiglu
-    from megatron_jetrl.precision.triton_gemm import small_m_linear
+    from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
     recipe = FP8Recipe()
     gu = _x((M, 2 * 14336))
@@ -479,7 +472,7 @@ def test_small_m_gemm_with_fused_swiglu_equals_swiglu_then_gemm(M):
 def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, cublas, tmp_path, megatron_single):
     """The static decoder's fused residual add + RMSNorm (+ the FP8 linear's activation quantization,
     jet with the small-M GEMM; with ``cublas`` also for cuBLAS's GEMM, scales column-major, as
-    ``JETRL_NORM_QUANT_CUBLAS=1`` sets) gives the logits of the same decoder running torch's add, the norm
+    the decoder's ``norm_quant_cublas`` sets) gives the logits of the same decoder running torch's add, the norm
     module and the linear's own quantizer: identical bytes, prefill and 20 decode steps."""
     from megatron_jetrl.rollout.decode import StaticDecoder
     from tests.hf_models import make_hf_model
@@ -510,7 +503,7 @@ def test_small_m_fused_split_sum_equals_two_kernels(M, N, K):
     """Split-K partials summed by each tile's last program (a per-tile counter, acq_rel atomics) give
     the bytes of the separate sum kernel, over 50 back-to-back calls and 50 CUDA-graph replays (a
     missed partial or a stale read would show), and leave the counters at zero."""
-    from megatron_jetrl.precision.triton_gemm import _LOCKS, plan, small_m_linear
+    from megatron_jetrl.kernels.triton_gemm import _LOCKS, plan, small_m_linear
 
     recipe = FP8Recipe()
     x = _x((M, K))
@@ -535,7 +528,7 @@ def test_small_m_fused_split_sum_equals_two_kernels(M, N, K):
 
 
 @pytest.mark.parametrize("T,V", [(4096, 128256), (37, 1000)])
-def test_fused_logp_entropy_equals_megatron_path_on_gpu(T, V, megatron_single, monkeypatch):
+def test_fused_logp_entropy_equals_megatron_path_on_gpu(T, V, megatron_single):
     """The fused logprob/entropy kernels (the CUDA default) vs megatron-core's vocab-parallel cross
     entropy + eager entropy on bf16 logits: values to fp32 summation-order rounding, the logits'
     gradient (entropy bonus on) to bf16 rounding."""
@@ -547,9 +540,8 @@ def test_fused_logp_entropy_equals_megatron_path_on_gpu(T, V, megatron_single, m
     w = torch.randn(1, T, device="cuda", generator=g)
     res = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("JETRL_FUSED_LOGP", fused)
         x = logits.clone().requires_grad_(True)
-        lp, ent = vocab_parallel_logp_entropy(x, labels, 0.8, True)
+        lp, ent = vocab_parallel_logp_entropy(x, labels, 0.8, True, fused=fused == "1")
         ((lp * w).sum() - 0.1 * ent.sum()).backward()
         res[fused] = (lp.detach(), ent.detach(), x.grad)
     (lp, ent, gr), (lp_r, ent_r, gr_r) = res["1"], res["0"]
@@ -594,9 +586,9 @@ def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single)
 def test_fused_sampler_draws_softmax_and_logprobs():
     """The rollout's one-kernel sampler on the GPU: frequencies of softmax(logits / T) over 200k
     draws, log_softmax's logprobs at Llama-3's vocabulary (bf16 logits, batch 64), reproducible per
-    seed; and the engine uses it (CUDA, plain temperature) unless JETRL_FUSED_SAMPLE=0."""
+    seed; and the engine uses it (CUDA, plain temperature)."""
     from megatron_jetrl.rollout.base import SamplingParams, fused_sampling
-    from megatron_jetrl.rollout.triton_sample import fused_sample
+    from megatron_jetrl.kernels.sample import fused_sample
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(12, device="cuda", generator=g) * 2
@@ -615,9 +607,9 @@ def test_fused_sampler_draws_softmax_and_logprobs():
 
 @pytest.mark.parametrize("T,N,K", [(512, 768, 1024), (4096, 4096, 4096), (2048, 6144, 4096), (4096, 1024, 14336)])
 def test_cublaslt_wgrad_accumulates_into_fp32(T, N, K):
-    """precision/cublaslt.py: the FP8 wgrad GEMM with beta = 1 into an fp32 buffer adds the same product as
+    """kernels/cublaslt.py: the FP8 wgrad GEMM with beta = 1 into an fp32 buffer adds the same product as
     the emulated GEMM and as torch's scaled_mm (same operands, same scales), and accumulates on repeat."""
-    from megatron_jetrl.precision import cublaslt
+    from megatron_jetrl.kernels import cublaslt
     from megatron_jetrl.precision.gemm import accumulate_supported, block_gemm_accumulate
 
     assert cublaslt.available() == (True, "")
@@ -691,26 +683,10 @@ def test_dual_gradient_quantizer_bit_identical(M, N, dtype, scale_fmt):
     assert _same(qtp, qtrp) and torch.equal(stp, strp) and qtp.shape[1] % 512 == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,F", [(4096, 14336), (200, 256)])
-def test_swiglu_backward_dual_equals_two_kernels(M, F, dtype):
-    """fc1's gradient operands straight from fc2's: the same bytes and scales as the SwiGLU backward
-    kernel's output (its exact fp32 operations, rounded to the dtype) quantized by the dual quantizer."""
-    from megatron_jetrl.precision.quant import quantize_dual, swiglu_backward, swiglu_backward_dual
-
-    recipe = FP8Recipe()
-    y = _x((M, 2 * F), dtype) * 2
-    da = _x((M, F), dtype, seed=1)
-    got = swiglu_backward_dual(y, da, recipe, scale_col_major=True)
-    ref = quantize_dual(swiglu_backward(y, da), recipe, scale_col_major=True)
-    for a, b in zip(got, ref):
-        assert (_same(a, b) if a.dtype != torch.float32 else torch.equal(a, b))
-
-
-def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single, monkeypatch):
+def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single):
     """The tiny model in BF16 on the H200 with head_dim 128 (the fused QKV trains in Megatron block order):
-    gradients with the one-pass gradient quantizers equal those with the fc2 -> fc1 hand-off
-    (``JETRL_SWIGLU_GRAD_LINK=1``) and of one quantizer per operand (``JETRL_FUSED_DY_QUANT=0``) bit for bit; the per-step refresh writes every FP8 cache in
+    gradients with the one-pass gradient quantizers equal those of one quantizer per operand
+    (``FP8ModelState.fused_dy_quant=False``) bit for bit; the per-step refresh writes every FP8 cache in
     place (same storage) with the bytes and scales of the torch quantizer, the QKV's training-order copy
     too."""
     import os
@@ -728,17 +704,16 @@ def test_fused_dy_quant_and_in_place_refresh_in_the_model_on_gpu(megatron_single
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 256), device="cuda")
     pos = torch.arange(256, device="cuda").expand(2, 256)
     grads = {}
-    for flag, link in (("1", "0"), ("1", "1"), ("0", "0")):
-        monkeypatch.setenv("JETRL_FUSED_DY_QUANT", flag)
-        monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", link)
+    for fused in (True, False):
+        state.fused_dy_quant = fused
         model.zero_grad()
         model(tokens, pos, None).float().square().mean().backward()
-        grads[flag, link] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert len(grads["1", "0"]) > 10
-    for key in (("1", "1"), ("0", "0")):
-        assert grads[key].keys() == grads["1", "0"].keys()
-        for n, g in grads["1", "0"].items():
-            assert torch.equal(g, grads[key][n]), (key, n)
+        grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state.fused_dy_quant = True
+    assert len(grads[True]) > 10
+    assert grads[False].keys() == grads[True].keys()
+    for n, g in grads[True].items():
+        assert torch.equal(g, grads[False][n]), n
     fp8 = [m for m in model.modules() if isinstance(m, FP8LinearMixin)]
     assert any(m.fp8_cache._train is not None for m in fp8)
     ptrs = [(m.fp8_cache.qweight.data_ptr(), m.fp8_cache.scale_inv.data_ptr()) for m in fp8]
@@ -828,7 +803,7 @@ def test_jet_trainer_pads_micro_batches_on_gpu(tmp_path, megatron_single):
 
 
 def _deepgemm_or_skip():
-    from megatron_jetrl.precision import deepgemm
+    from megatron_jetrl.kernels import deepgemm
 
     ok, why = deepgemm.available(torch.device("cuda"))
     if not ok:

@@ -94,10 +94,10 @@ def _eager_logp_entropy(logits, labels, temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_logp_entropy_equals_megatron_cross_entropy(megatron_single, dtype):
-    """The fused logprob/entropy (``trainer/fused_logp.py``; CPU statistics here) vs megatron-core's
+    """The fused logprob/entropy (``kernels/fused_logp.py``; CPU statistics here) vs megatron-core's
     vocab-parallel cross entropy and the eager entropy: values and the logits' gradient of a loss
     using both (entropy bonus on), and with the entropy unused (its backward term skipped)."""
-    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+    from megatron_jetrl.kernels.fused_logp import fused_logp_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 300, generator=g) * 4).to(dtype)
@@ -126,7 +126,7 @@ def test_fused_logp_entropy_equals_megatron_cross_entropy(megatron_single, dtype
 def test_fused_logp_entropy_tensor_parallel_over_gloo():
     """TP=2: each rank holds half the vocabulary; the combined statistics give the single-rank
     logprobs and entropy, and each rank's gradient is its slice of the full gradient."""
-    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+    from megatron_jetrl.kernels.fused_logp import fused_logp_entropy
     from tests.dist import run_workers
     from tests.workers import fused_logp_tp_worker
 
@@ -154,7 +154,7 @@ def test_fused_logp_kernels_under_the_interpreter():
 
     code = r'''
 import torch
-from megatron_jetrl.trainer import fused_logp as F
+from megatron_jetrl.kernels import fused_logp as F
 g = torch.Generator().manual_seed(0)
 for T, V, start in ((5, 3000, 0), (3, 2048, 2048), (4, 100, 50)):
     x = torch.randn(T, V, generator=g) * 5

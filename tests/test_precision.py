@@ -203,9 +203,9 @@ def test_small_m_triton_gemm_under_the_interpreter():
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.precision.quant import quantize_weight
-from megatron_jetrl.precision.triton_quant import quantize_act_triton
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 from megatron_jetrl.precision.gemm import block_gemm
-from megatron_jetrl.precision.triton_gemm import small_m_linear
+from megatron_jetrl.kernels.triton_gemm import small_m_linear
 for fmt in ("fp32", "ue8m0"):
     r = FP8Recipe(mode="jet", scale_fmt=fmt)
     g = torch.Generator().manual_seed(0)
@@ -230,7 +230,7 @@ for fmt in ("fp32", "ue8m0"):
                             fused_sum=False)
         assert torch.equal(y, y2), (fmt, M, N, K)
         # deferred sum: the partials as returned, summed in split order == the summed output
-        from megatron_jetrl.precision.triton_gemm import sum_partials
+        from megatron_jetrl.kernels.triton_gemm import sum_partials
         part, n = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
                                  return_partials=True)
         y3 = part if n == 1 else sum_partials(part, torch.empty(M, N))
@@ -247,10 +247,10 @@ for fmt in ("fp32", "ue8m0"):
             assert torch.equal(lay[(M <= 16, False)], y2), (fmt, M, N, K)  # the default layout is the plan's
             rel = float((lay[(True, False)] - lay[(False, False)]).abs().max() / ref.abs().max())
             assert rel < 1e-6, (fmt, M, N, K, rel)
-    from megatron_jetrl.precision.triton_gemm import _LOCKS
+    from megatron_jetrl.kernels.triton_gemm import _LOCKS
     assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())  # counters left at zero
     # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer
-    from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+    from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
     for M, N, K in ((16, 256, 384), (40, 130, 300)):
         gu = torch.randn(M, 2 * K, generator=g) * 2
         qw, ws = quantize_weight(torch.randn(N, K, generator=g), r)
@@ -460,13 +460,11 @@ def test_bf16_mlp_runs_the_one_kernel_swiglu(dtype, megatron_single):
     assert _rel(res[True][2].float(), res[False][2].float()) < tol
 
 
-def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
-    """Training through JetMLP with ``JETRL_SWIGLU_GRAD_LINK=1``: fc2's backward quantizes fc1's output
-    gradient both ways in one pass (``quant.swiglu_backward_dual``) and fc1's backward uses those operands;
-    the BF16 gradient of fc1's output is never formed. Gradients (fc1, fc2, the MLP input) are bit-equal to
-    the default path (``swiglu_backward``, then the one-pass quantizer) and to one quantizer per operand
-    (``JETRL_FUSED_DY_QUANT=0``); a bias added between fc1 and fc2 keeps the unlinked path (the link needs
-    fc1's output as is)."""
+def test_gated_mlp_gradients_one_pass_quantizer_equal_one_quantizer_per_operand(megatron_single, monkeypatch):
+    """Training through JetMLP: fc2's backward runs the SwiGLU backward once, then fc1's output gradient is
+    quantized both ways in one pass (``quant.quantize_dual``, the default). Gradients (fc1, fc2, the MLP input)
+    are bit-equal to one quantizer per operand (``FP8ModelState.fused_dy_quant=False``), also with a bias added
+    between fc1 and fc2."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.builder import build_model
     from megatron_jetrl.precision import linear as lin
@@ -479,22 +477,17 @@ def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
     mlp = model.decoder.layers[0].mlp
     x0 = torch.randn(7, 2, cfg.model.hidden_size)
     calls = {"dual": 0, "bwd": 0}
-    real_dual, real_bwd = quant.swiglu_backward_dual, quant.swiglu_backward
-    inside = []
+    real_dual, real_bwd = lin.quantize_dual, quant.swiglu_backward
 
     def dual(*a, **k):
         calls["dual"] += 1
-        inside.append(1)
-        try:
-            return real_dual(*a, **k)  # on CPU: quantize_dual(swiglu_backward(...)), not counted below
-        finally:
-            inside.pop()
+        return real_dual(*a, **k)
 
     def bwd(*a, **k):
-        calls["bwd"] += 0 if inside else 1
+        calls["bwd"] += 1
         return real_bwd(*a, **k)
 
-    monkeypatch.setattr(quant, "swiglu_backward_dual", dual)
+    monkeypatch.setattr(lin, "quantize_dual", dual)
     monkeypatch.setattr(quant, "swiglu_backward", bwd)
 
     def grads():
@@ -504,26 +497,21 @@ def test_fc2_hands_fc1_its_gradient_quantized(megatron_single, monkeypatch):
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return [x.grad.clone(), mlp.linear_fc1.weight.grad.clone(), mlp.linear_fc2.weight.grad.clone()]
 
-    default = grads()  # the link is off by default
-    assert calls == {"dual": 0, "bwd": 1}
-    monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", "1")
     fused = grads()
-    assert calls == {"dual": 1, "bwd": 1} and mlp.linear_fc1.swiglu_grad_link is None
-    monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")  # also turns the link off
+    assert calls == {"dual": 2, "bwd": 1}  # fc2's and fc1's output gradients, one SwiGLU backward
+    state.fused_dy_quant = False
     unfused = grads()
-    assert calls == {"dual": 1, "bwd": 2}
-    for a, b, c in zip(fused, unfused, default):
-        assert torch.equal(a, b) and torch.equal(a, c) and a.abs().sum() > 0
-    monkeypatch.delenv("JETRL_FUSED_DY_QUANT")
-    # y = fc1(x) + bias: fc2's input is not fc1's output tensor, so no hand-off
+    assert calls == {"dual": 2, "bwd": 2}
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+    state.fused_dy_quant = True
+    # y = fc1(x) + bias between the linears: the same gradients either way
     real_fc1 = mlp.linear_fc1.forward
     monkeypatch.setattr(mlp.linear_fc1, "forward", lambda h: (real_fc1(h)[0], torch.zeros(())))
     with_bias = grads()
-    assert calls == {"dual": 1, "bwd": 3}
-    for a, b in zip(with_bias, unfused):
+    state.fused_dy_quant = False
+    for a, b in zip(with_bias, grads()):
         assert torch.equal(a, b)
-    link = lin.SwigluGradLink()
-    assert link.y is None and link.operands is None
 
 
 def test_fused_swiglu_quant_kernel_under_the_interpreter():
@@ -539,7 +527,7 @@ def test_fused_swiglu_quant_kernel_under_the_interpreter():
 import numpy as np
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import quantize_act_triton, swiglu_quant_triton, swiglu_triton
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, swiglu_quant_triton, swiglu_triton
 def swiglu(y):
     g, u = y.chunk(2, -1)
     g = g.numpy()
@@ -577,14 +565,14 @@ def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
     code = r'''
 import torch
 from megatron_jetrl.precision.quant import swiglu_backward
-from megatron_jetrl.precision.triton_quant import swiglu_backward_triton, transpose_bytes_triton
+from megatron_jetrl.kernels.triton_quant import swiglu_backward_triton, transpose_bytes_triton
 g = torch.Generator().manual_seed(0)
 for R, C in ((300, 77), (128, 256), (1, 5)):
     x = (torch.randn(R, C, generator=g) * 100).to(torch.float8_e4m3fn)
     t = transpose_bytes_triton(x)
     assert t.shape == (C, R) and t.is_contiguous() and torch.equal(t.view(torch.uint8), x.t().contiguous().view(torch.uint8))
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import quantize_act_triton, quantize_transposed_triton
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, quantize_transposed_triton
 r = FP8Recipe(mode="jet")
 for R, C in ((300, 200), (128, 128)):  # wgrad's dy^T quantizer (transposed store) == the 1x128 quantizer on x^T
     x = torch.randn(R, C, generator=g) * 3
@@ -609,9 +597,9 @@ print("ok")
 def test_dual_gradient_quantizer_under_the_interpreter():
     """The backward's one-pass gradient quantizer under Triton's CPU interpreter, kernel to kernel: the
     same bytes and scales as the 1x128 quantizer (dgrad operand, both scale layouts) and the transposed
-    1x128 quantizer (wgrad operand), ragged shapes included; the SwiGLU-backward form equals the SwiGLU
-    backward kernel followed by it (fp32: the interpreter's bf16 rounding is not the GPU's; bf16 bytes
-    are checked on the H200, tests/test_gpu.py); the wgrad operands padded to 512 tokens in the kernels'
+    1x128 quantizer (wgrad operand), ragged shapes included (fp32: the interpreter's bf16 rounding is not the
+    GPU's; bf16 bytes are checked on the H200, tests/test_gpu.py); a malformed plan is refused; the wgrad operands padded to
+    512 tokens in the kernels'
     buffers (``pad_to``) hold the same bytes and scales in front and zero bytes of scale 1 behind, and so do
     the torch path's."""
     import subprocess
@@ -620,8 +608,7 @@ def test_dual_gradient_quantizer_under_the_interpreter():
     code = r'''
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import (quantize_act_triton, quantize_dual_triton, quantize_transposed_triton,
-                                                   swiglu_backward_dual_triton, swiglu_backward_triton)
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, quantize_dual_triton, quantize_transposed_triton
 g = torch.Generator().manual_seed(0)
 same = lambda a, b: a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 for fmt in ("fp32", "ue8m0"):
@@ -635,14 +622,6 @@ for fmt in ("fp32", "ue8m0"):
             qtr, str_ = quantize_transposed_triton(d, r, tile_scale=False)
             assert same(q, qr) and torch.equal(s, sr) and s.stride() == sr.stride(), (M, N, cm)
             assert same(qt, qtr) and torch.equal(st, str_), (M, N, cm)
-    for M, F in ((200, 256), (5, 128)):
-        y = torch.randn(M, 2 * F, generator=g) * 3
-        da = torch.randn(M, F, generator=g)
-        ref = quantize_dual_triton(swiglu_backward_triton(y, da), r, True)
-        for plan in ((128, 8), (64, 4)):
-            got = swiglu_backward_dual_triton(y, da, r, True, plan=plan)
-            for a, b in zip(got, ref):
-                assert (same(a, b) if a.dtype != torch.float32 else torch.equal(a, b)), (M, F, plan)
 # the wgrad operands padded to 512 tokens in the kernels' own buffers (gemm.wgrad_token_pad): the same bytes and
 # scales in front, zero bytes with scale 1 behind; the torch path pads alike
 from megatron_jetrl.precision.quant import quantize_transposed
@@ -665,21 +644,17 @@ for M, N in ((300, 200), (600, 256), (512, 128)):
             qc, sc = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False)
             qcp, scp = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False, pad_to=512)
             assert pad_ok(qcp, scp, qc, sc) and qcp.shape == qp.shape and scp.shape == sp.shape, (M, N, tile)
-y = torch.randn(200, 512, generator=g)
-da = torch.randn(200, 256, generator=g)
-ref = swiglu_backward_dual_triton(y, da, r, True)
-got = swiglu_backward_dual_triton(y, da, r, True, pad_to=512)
-assert same(got[0], ref[0]) and torch.equal(got[1], ref[1]) and pad_ok(got[2], got[3], ref[2], ref[3])
 try:
     quantize_transposed_triton(d, r, False, pad_to=200)
     raise SystemExit("pad_to not a multiple of the group accepted")
 except ValueError as e:
     assert "multiple of the group size" in str(e)
-try:
-    swiglu_backward_dual_triton(torch.zeros(4, 200), torch.zeros(4, 100), FP8Recipe(mode="jet"))
-    raise SystemExit("F not a multiple of 128 accepted")
-except ValueError as e:
-    assert "multiple of 128" in str(e)
+for bad in ((100, 4), (128, 3)):
+    try:
+        quantize_dual_triton(d, r, True, plan=bad)
+        raise SystemExit("bad plan accepted")
+    except ValueError as e:
+        assert "dual quantizer plan" in str(e)
 print("ok")
 '''
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
@@ -700,7 +675,7 @@ def test_rope_and_cache_kernel_under_the_interpreter():
     code = r'''
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
+from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 g = torch.Generator().manual_seed(0)
 for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
     hpg = H // G
@@ -731,7 +706,7 @@ print("ok")
 
 
 def test_training_rope_kernel_under_the_interpreter():
-    """The training RoPE (``models/rope.py``, CUDA in production) under Triton's CPU interpreter, fp32:
+    """The training RoPE (``kernels/rope_train.py``, CUDA in production) under Triton's CPU interpreter, fp32:
     its forward and its autograd backward equal megatron-core's unfused RoPE and that statement's eager
     autograd gradient (same ops, same order), for the strided q/k views of the fused QKV split,
     partial rotary and more heads than one program holds; ``fused_rope`` on CPU tensors is megatron's
@@ -742,7 +717,7 @@ def test_training_rope_kernel_under_the_interpreter():
     code = r'''
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from megatron_jetrl.models import rope
+from megatron_jetrl.kernels import rope_train as rope
 g = torch.Generator().manual_seed(0)
 for S, b, H, G, D, rot in ((3, 2, 4, 2, 16, 16), (2, 1, 40, 8, 128, 64)):
     hpg = H // G
@@ -780,7 +755,7 @@ print("ok")
 
 
 def test_triton_rmsnorm_under_the_interpreter():
-    """The one-kernel RMSNorm (CUDA in production, ``models/norm.py``) under Triton's CPU
+    """The one-kernel RMSNorm (CUDA in production, ``kernels/rmsnorm.py``) under Triton's CPU
     interpreter, fp32: forward equals torch's ``rms_norm`` to fp32 rounding, each row's bytes do not
     depend on how many rows the call has (the trainer's forward and a decode step give the same
     bytes), and the autograd backward matches torch's to fp32 rounding."""
@@ -789,7 +764,7 @@ def test_triton_rmsnorm_under_the_interpreter():
 
     code = r'''
 import torch
-from megatron_jetrl.models.norm import RMSNormFunction, rmsnorm_backward, rmsnorm_forward
+from megatron_jetrl.kernels.rmsnorm import RMSNormFunction, rmsnorm_backward, rmsnorm_forward
 g = torch.Generator().manual_seed(0)
 # the backward kernel alone where a program takes 3 rows (M > 1024), against torch's autograd
 x = torch.randn(2050, 96, generator=g) * 3
@@ -833,9 +808,9 @@ def test_fused_add_rmsnorm_quant_under_the_interpreter():
 
     code = r'''
 import torch
-from megatron_jetrl.models.norm import add_rmsnorm_quant, rmsnorm_forward
+from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant, rmsnorm_forward
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import quantize_act_triton
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 g = torch.Generator().manual_seed(0)
 for fmt in ("fp32", "ue8m0"):
     r = FP8Recipe(mode="jet", scale_fmt=fmt)
@@ -857,7 +832,7 @@ for fmt in ("fp32", "ue8m0"):
         h3, y3, none = add_rmsnorm_quant(h, None, w, 1e-5)
         assert none is None and h3.data_ptr() == h.data_ptr() and torch.equal(y3, rmsnorm_forward(h, w, 1e-5)[0])
         # delta as split-K partials (deferred sum): the bytes of the sum kernel's output as delta
-        from megatron_jetrl.precision.triton_gemm import sum_partials
+        from megatron_jetrl.kernels.triton_gemm import sum_partials
         parts = torch.randn(3, M, N, generator=g)
         dsum = sum_partials(parts, torch.empty(M, N))
         assert torch.equal(dsum, parts[0] + parts[1] + parts[2])
@@ -872,18 +847,16 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def test_act_quant_plan_env_override(monkeypatch):
-    """``JETRL_ACT_QUANT_PLAN`` overrides the quantizer's launch plan; a malformed value is refused
-    with a one-line error naming the variable (not a Triton compile error later)."""
-    from megatron_jetrl.precision.triton_quant import act_quant_plan
+def test_act_quant_plan_is_checked():
+    """The quantizer's default launch plan by shape; a plan passed in (the tuning tool's) is checked and a
+    malformed one refused with one line naming the plan (not a Triton compile error later)."""
+    from megatron_jetrl.kernels.triton_quant import act_quant_plan, check_act_quant_plan
 
     assert act_quant_plan(16384, 4096) == (8, 8, 8, 0) and act_quant_plan(64, 4096) == (4, 1, 4, 0)
-    monkeypatch.setenv("JETRL_ACT_QUANT_PLAN", "16,4,8")
-    assert act_quant_plan(1, 128) == (16, 4, 8, 0)
-    for bad in ("8,3,8", "8,8", "a,b,c", "8,8,3"):
-        monkeypatch.setenv("JETRL_ACT_QUANT_PLAN", bad)
-        with pytest.raises(ValueError, match="JETRL_ACT_QUANT_PLAN"):
-            act_quant_plan(1, 128)
+    assert check_act_quant_plan((16, 4, 8)) == (16, 4, 8, 0)
+    for bad in ((8, 3, 8), (8, 8), (8, 8, 3)):
+        with pytest.raises(ValueError, match="activation quantizer plan"):
+            check_act_quant_plan(bad)
 
 
 def _megatron_linears(model):
@@ -1015,10 +988,10 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
     linear's first backward of the step and reused by the later micro-batches (the same tensors), the gradients
     equal the per-micro-batch transpose path's, and ``drop_dgrad_weights`` frees the copies; a new version of
     the weights (refresh) makes new ones. The scale copy is laid out as cuBLAS's 128x128 scale operand wants
-    it (``gemm._col_major`` of its transpose is a view: no copy per call)."""
+    it (``layout.col_major`` of its transpose is a view: no copy per call)."""
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.builder import build_model
-    from megatron_jetrl.precision import gemm
+    from megatron_jetrl.kernels.layout import col_major
     from megatron_jetrl.precision.linear import FP8LinearMixin, drop_dgrad_weights, refresh_fp8_weights
 
     cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
@@ -1043,7 +1016,7 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
             q, s = lin[0].fp8_weight()
             assert torch.equal(seen[0][0][0].view(torch.uint8), q.view(torch.uint8).t())
             ts = seen[0][0][1]
-            assert torch.equal(ts, s.t()) and ts.is_contiguous() and gemm._col_major(ts.t()).data_ptr() == ts.data_ptr()
+            assert torch.equal(ts, s.t()) and ts.is_contiguous() and col_major(ts.t()).data_ptr() == ts.data_ptr()
         else:
             assert all(t is None and ts is None for t, ts in seen[0] + seen[1])
         grads[on] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -1065,7 +1038,7 @@ def test_dgrad_weight_made_once_per_step_and_dropped(megatron_single):
 
 def test_fp8_linear_takes_prequantized_input_with_column_major_scales(megatron_single):
     """An inference forward above ``small_m_max`` rows handed x's FP8 bytes with cuBLAS-layout (column-major)
-    scales (``prequantized_input``, what the decoder's norm kernel writes with ``JETRL_NORM_QUANT_CUBLAS=1``)
+    scales (``prequantized_input``, what the decoder's norm kernel writes for the cuBLAS-path linears)
     runs the GEMM alone: no quantizer call, the output bit-equal to the linear quantizing x itself, for the
     fused QKV in both its output orders (megatron's, through the training-order blocks, and the rollout's) and
     fc1; a mismatched or absent pre-quantized input is ignored, and a training forward never uses it."""
@@ -1160,15 +1133,14 @@ def test_lm_head_writes_batch_major_logits(dtype, megatron_single):
     nhook.remove()
 
 
-@pytest.mark.parametrize("path", ["dual", "separate", "link"])
+@pytest.mark.parametrize("path", ["dual", "separate"])
 def test_wgrad_operands_padded_to_512_tokens_give_the_same_gradients(path, megatron_single, monkeypatch):
     """``gemm.wgrad_token_pad`` (on the H200's scaled_mm backend: a micro-batch's token count not a multiple of
     512): the wgrad quantizers write dy^T and x^T into buffers padded to 512 tokens (zero bytes, scale 1), so
     the wgrad GEMM takes them as they are and accumulates into megatron's ``main_grad``. Forced here on the
     emulated backend for 2 x 13 tokens, through megatron's DDP: every ``main_grad`` and the input gradient equal
     the unpadded run's, the accumulation saw 512-token operands, for the one-pass gradient quantizer
-    (``dual``), one quantizer per operand (``JETRL_FUSED_DY_QUANT=0``) and the fc2 -> fc1 hand-off
-    (``JETRL_SWIGLU_GRAD_LINK=1``)."""
+    (``dual``) and one quantizer per operand (``FP8ModelState.fused_dy_quant=False``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_jetrl.config import load_config
@@ -1176,14 +1148,11 @@ def test_wgrad_operands_padded_to_512_tokens_give_the_same_gradients(path, megat
     from megatron_jetrl.models.grad_accum import enable
     from megatron_jetrl.precision import gemm
 
-    if path == "separate":
-        monkeypatch.setenv("JETRL_FUSED_DY_QUANT", "0")
-    if path == "link":
-        monkeypatch.setenv("JETRL_SWIGLU_GRAD_LINK", "1")
     cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
     torch.manual_seed(0)
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
                                backend="emulated")
+    state.fused_dy_quant = path == "dual"
     ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False))
     enable(model, True)
@@ -1222,7 +1191,8 @@ def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch):
     """The per-shape kernel table (cuBLAS unless a shape is set to DeepGEMM), its validation, and DeepGEMM's
     availability answers: unset directory, a directory without the build, not CUDA; tuning on CPU changes
     nothing."""
-    from megatron_jetrl.precision import deepgemm, gemm
+    from megatron_jetrl.kernels import deepgemm
+    from megatron_jetrl.precision import gemm
 
     saved = dict(gemm._KERNELS)
     try:

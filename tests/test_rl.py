@@ -457,7 +457,7 @@ def test_fused_sampler_under_the_interpreter():
     logprobs too."""
     code = r'''
 import torch
-from megatron_jetrl.rollout.triton_sample import fused_sample
+from megatron_jetrl.kernels.sample import fused_sample
 g = torch.Generator().manual_seed(0)
 V, B, T = 6, 600, 0.7
 logits = torch.tensor([1.0, 0.6, 0.4, -0.2, -0.5, -1.2])
@@ -482,7 +482,7 @@ print("ok")
 
 
 def test_decode_attention_kernel_under_the_interpreter(tmp_path):
-    """The exact-length decode attention (``rollout/triton_attn.py``, CUDA in production) under Triton's
+    """The exact-length decode attention (``kernels/decode_attn.py``, CUDA in production) under Triton's
     CPU interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's): the output equals SDPA with
     the decoder's additive mask over keys 0..pos (left-pad keys masked; keys past pos ignored whatever
     ``key_ok`` says there), for grouped-query and one-head-per-group layouts, a head dim that is not a
@@ -495,8 +495,8 @@ def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     code = r'''
 import sys
 import torch, torch.nn.functional as F
-from megatron_jetrl.rollout import triton_attn
-from megatron_jetrl.rollout.triton_attn import decode_attention
+from megatron_jetrl.kernels import decode_attn as triton_attn
+from megatron_jetrl.kernels.decode_attn import decode_attention
 g = torch.Generator().manual_seed(0)
 for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 29, 3), (2, 4, 4, 128, 300, 200, 1),
                                    (2, 6, 2, 80, 70, 69, 4), (2, 4, 1, 32, 20, 0, 2), (2, 8, 2, 16, 600, 30, 8)):
@@ -600,7 +600,7 @@ def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monk
                 assert all(torch.equal(a, w) for a, w in zip(before, ws))
         finally:
             close(run)
-    (m1, c1, o1, w1, k1), (m0, c0, o0, w0, k0) = res[True], res[False]
+    (m1, c1, o1, w1, _k1), (m0, c0, o0, w0, _k0) = res[True], res[False]
     for a, b in zip(m1, m0):
         num = {k: v for k, v in a.items() if isinstance(v, float) and not any(t in k for t in ("time", "second", "per_s"))}
         assert num and all(v == b[k] for k, v in num.items()), [(k, v, b[k]) for k, v in num.items() if v != b[k]]

@@ -142,8 +142,8 @@ def test_colocated_scheduler_follows_sglang_memory_rules(sglang, monkeypatch, wa
     """The colocated scheduler's real phase code over SGLang's manager: every resume names a released tag
     (else SGLang's scheduler dies), generation runs with weights, KV cache and CUDA graphs resumed, a push
     with the weights resumed, and training with all three released."""
-    import megatron_jetrl.train as train
     from megatron_jetrl.scheduler import Colocated
+    from megatron_jetrl.sync import handover
 
     cfg, fleet = _fleet(sglang, "colocated")
     for s in sglang.servers.values():
@@ -162,7 +162,7 @@ def test_colocated_scheduler_follows_sglang_memory_rules(sglang, monkeypatch, wa
     run = types.SimpleNamespace(cfg=cfg, engine=fleet, actor=Actor(), sampling=SamplingParams(max_new_tokens=3))
     prompts = [[1, 2, 3]] * 4 + [[7, 8]] * 4  # two GRPO groups of 4
     monkeypatch.setattr(Colocated, "draw", lambda self, step: ([None, None], prompts))
-    monkeypatch.setattr(train, "hand_over_weights",
+    monkeypatch.setattr(handover, "hand_over_weights",
                         lambda run, v: run.engine.push_weights(v, iter(_changed(sglang.tensors, v).items())))
     sched = Colocated(run)
     if warmup_push:

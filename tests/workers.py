@@ -44,7 +44,6 @@ def layouts_worker(rank, world, layouts, tokens):
     """For each ``name: (hf_dir, overrides)``: the mean NLL, and (PP=1) the full logits
     gathered over TP."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megatron_jetrl.distributed import destroy_distributed
@@ -162,7 +161,7 @@ def fused_logp_tp_worker(rank, world, logits, labels, temperature):
     combined over gloo); returns (logp, entropy, this slice's gradient of sum(logp) + sum(entropy))."""
     from megatron_jetrl.config import ParallelConfig
     from megatron_jetrl.distributed import destroy_distributed, init_distributed
-    from megatron_jetrl.trainer.fused_logp import fused_logp_entropy
+    from megatron_jetrl.kernels.fused_logp import fused_logp_entropy
 
     init_distributed(ParallelConfig(tensor_parallel=world))
     v = logits.shape[-1] // world

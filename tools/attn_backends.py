@@ -1,5 +1,6 @@
 """Time torch SDPA backends on the model's training attention shapes (causal, GQA), forward and
-forward+backward, BF16, one GPU; outputs compared with the flash backend's. Informs ``JETRL_SDPA``.
+forward+backward, BF16, one GPU; outputs compared with the flash backend's. The model's attention leaves the choice to torch
+(flash attention for causal BF16 training).
 
 Layouts (``--layouts``): ``bhsd``: contiguous [b, h, s, d] tensors handed to SDPA directly; ``model``:
 the model's own core attention (``models.spec.SDPAttention.forward``) on the tensors megatron hands
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import types
 
 import torch
@@ -21,7 +21,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_jetrl.bench.timing import kernel_table, time_sustained_ms
 
-_ENV = {"FLASH_ATTENTION": "flash", "CUDNN_ATTENTION": "cudnn", "EFFICIENT_ATTENTION": "efficient"}
 
 
 def _model_inputs(S, hq, hk, d, g):
@@ -64,12 +63,12 @@ def main() -> None:
                         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hk)
                     grad = dy
                 else:
-                    os.environ["JETRL_SDPA"] = _ENV[name]
                     mv = mixed[..., (hq // hk + 1) * d:]
                     qq, kk, vv = mq, mk, mv
                     if layout == "model_contig":  # [b, h, s, d] copies, viewed back as [s, b, h, d]
                         qq, kk, vv = (t.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3) for t in (mq, mk, mv))
-                    y = SDPAttention.forward(attn, qq, kk, vv, None)
+                    with sdpa_kernel([getattr(SDPBackend, name)]):
+                        y = SDPAttention.forward(attn, qq, kk, vv, None)
                     grad = mdy
                 if bwd:
                     y.backward(grad)
@@ -118,7 +117,6 @@ def main() -> None:
             for layout, name in ok:
                 if name != "EFFICIENT_ATTENTION":
                     kernel_table(fns[(layout, name, "fwdbwd")], 3, f"S={S} {layout} {name} fwd+bwd", top=8)
-    os.environ.pop("JETRL_SDPA", None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,6 +1,6 @@
 """Decode-attention variants on this GPU (one query token per row, GQA, left-pad mask), timed as
 CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an additive mask (what
-``rollout.decode_attention=sdpa`` runs), the exact-length Triton kernel (``rollout/triton_attn.py``,
+``rollout.decode_attention=sdpa`` runs), the exact-length Triton kernel (``kernels/decode_attn.py``,
 ``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
 reference, matmul + fp32 softmax and SDPA with K/V expanded. Prints us, the KV bytes/s each reaches
 (the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import time_graph_ms
-from megatron_jetrl.rollout.triton_attn import decode_attention, default_splits
+from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
 
 
 def main() -> None:

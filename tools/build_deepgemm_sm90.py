@@ -1,6 +1,6 @@
 """Build ``libjetrl_deepgemm_sm90.so``: the Hopper block-FP8 GEMM (DeepGEMM's 1x128 x 128x128 kernels, as
 TensorRT-LLM ships them and FlashInfer vendors them) behind a C-ABI entry point
-(``megatron_jetrl/precision/csrc/deepgemm_sm90.cu``), for ``precision.fp8_gemm=deepgemm``.
+(``megatron_jetrl/kernels/csrc/deepgemm_sm90.cu``), for ``precision.fp8_gemm=deepgemm``.
 
 The kernel sources are not in this repository: they are read from a flashinfer-python wheel or an installed
 ``flashinfer`` package (SGLang's Hopper images carry one). Needs ``nvcc`` >= 12.8 (no GPU: it builds anywhere)
@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BINDING = REPO / "megatron_jetrl" / "precision" / "csrc" / "deepgemm_sm90.cu"
+BINDING = REPO / "megatron_jetrl" / "kernels" / "csrc" / "deepgemm_sm90.cu"
 LIB_NAME = "libjetrl_deepgemm_sm90.so"
 
 TRT = "nv_internal/tensorrt_llm"
@@ -217,7 +217,7 @@ def build_library(a, lib: Path) -> None:
                     sys.stderr.write(r.stdout + r.stderr)
                     sys.exit(f"build failed: {' '.join(cmd[-3:])}")
         a.out.mkdir(parents=True, exist_ok=True)
-        # libcuda stays unlinked: the loader (precision/deepgemm.py) loads the process's own copy globally
+        # libcuda stays unlinked: the loader (kernels/deepgemm.py) loads the process's own copy globally
         # first, so the library works wherever torch's CUDA does (its JIT calls nvcc, not libnvrtc)
         r = subprocess.run([a.nvcc, "-shared", "-gencode=arch=compute_90a,code=sm_90a", *map(str, objs),
                             "-lcudart", "-o", str(lib) + ".tmp"], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""DeepGEMM's SM90 block-FP8 GEMM (``precision/deepgemm.py``) vs cuBLAS's (``scaled_mm``) vs BF16, one GPU,
+"""DeepGEMM's SM90 block-FP8 GEMM (``kernels/deepgemm.py``) vs cuBLAS's (``scaled_mm``) vs BF16, one GPU,
 one run: the GEMM alone on the same FP8 bytes and scales, at the 8B/70B training shapes (forward, dgrad and
 wgrad forms) and at decode sizes (CUDA-graph replays, weights cycled past L2). Each row also checks the
 DeepGEMM output against the dequantized fp32 reference and cuBLAS's.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import dump_json, print_table, time_rotated_ms, time_sustained_ms, weight_copies
-from megatron_jetrl.precision import deepgemm
+from megatron_jetrl.kernels import deepgemm
 from megatron_jetrl.precision.gemm import block_gemm
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -73,7 +73,7 @@ def train_rows(recipe, dev, names):
         row["deepgemm_vs_cublas"] = ms["cublas"] / ms["deepgemm"]
         rows.append(row)
         print(row, flush=True)
-        del x, w, xq, xs, qw, sw, out
+        x = w = xq = xs = qw = sw = out = None
     return rows
 
 
@@ -100,7 +100,7 @@ def decode_rows(recipe, dev, ms_list, rotate_mb=200.0):
             row["deepgemm_weight_TBps"] = N * K / row["deepgemm_us"] / 1e6
             rows.append(row)
             print(row, flush=True)
-        del ws, qs
+        ws = qs = None
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Where does the eager FP8 forward's time go between kernels? (diagnostic for issue 3)
+"""Where does the eager FP8 forward's time go between kernels? (a diagnostic of the FP8 linear's launch overhead)
 
 For one training shape: do_bench (L2 flushed, eager) vs CUDA-graph replay of the BF16 and FP8 forwards,
 whether the FP8 forward synchronizes the host (torch's sync debug mode), and the CUDA runtime calls and

@@ -3,7 +3,7 @@
 Every plan writes the same bytes (checked here against the current default); the table gives each
 plan's GPU time (CUDA-graph replays cycling through input copies of >= 200 MB, so neither the host's
 launch path nor L2 hits count) and achieved bandwidth (bf16 read + fp8 write + fp32 scales) per shape,
-and the best plan per shape, to set ``precision.triton_quant.act_quant_plan``.
+and the best plan per shape, to set ``kernels.triton_quant.act_quant_plan``.
 Usage: python tools/tune_act_quant.py [--shapes M,K;M,K...] [--json out.json]"""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from megatron_jetrl.bench.timing import time_rotated_ms
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import act_quant_plan, quantize_act_triton
+from megatron_jetrl.kernels.triton_quant import act_quant_plan, quantize_act_triton
 
 
 def main() -> None:

@@ -1,12 +1,12 @@
-"""Sweep the backward's one-pass gradient quantizer (``quantize_dual_triton`` / ``swiglu_backward_dual_triton``)
-against the kernels it replaces, on a GPU.
+"""Sweep the backward's one-pass gradient quantizer (``quantize_dual_triton``) against the kernels it replaces,
+on a GPU.
 
-Per shape: the separate kernels (1x128 quantizer + transposed 1x128 quantizer, and for fc1 the SwiGLU
-backward before them) and every (rows per register chunk, warps) plan of the one-pass kernel, timed as
+Per shape: the separate kernels (1x128 quantizer + transposed 1x128 quantizer) and every (rows per register chunk, warps)
+plan of the one-pass kernel, timed as
 CUDA-graph replays cycling through input copies of >= 200 MB (no launch path, no L2 hits); every plan's
 bytes are checked against the separate kernels'. Prints the best plans and the speedup over the separate
-kernels, to set ``precision.triton_quant.dual_quant_plan``.
-Usage: python tools/tune_dual_quant.py [--shapes M,N;...] [--swiglu M,F;...] [--rows 16,32,64,128] [--warps 4,8,16]
+kernels, to set ``kernels.triton_quant.dual_quant_plan``.
+Usage: python tools/tune_dual_quant.py [--shapes M,N;...] [--rows 16,32,64,128] [--warps 4,8,16]
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import torch
 
 from megatron_jetrl.bench.timing import time_rotated_ms
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import (dual_quant_plan, quantize_act_triton, quantize_dual_triton,
-                                                   quantize_transposed_triton, swiglu_backward_dual_triton,
-                                                   swiglu_backward_triton)
+from megatron_jetrl.kernels.triton_quant import (dual_quant_plan, quantize_act_triton, quantize_dual_triton,
+                                                 quantize_transposed_triton)
 
 
 def _same(a, b) -> bool:
@@ -31,7 +30,6 @@ def _same(a, b) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4096,4096;4096,6144", help="plain gradients M,N")
-    ap.add_argument("--swiglu", default="4096,14336", help="fc1 gradients from SwiGLU: M,F (N = 2F)")
     ap.add_argument("--rows", default="16,32,64,128")
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--rotate-mb", type=float, default=200.0, help="input copies cycled per timed pass (MB)")
@@ -39,38 +37,22 @@ def main() -> None:
     a = ap.parse_args()
     r = FP8Recipe()
     plans = [(rb, nw) for rb in map(int, a.rows.split(",")) for nw in map(int, a.warps.split(","))]
-    cases = [("dy", *map(int, s.split(","))) for s in a.shapes.split(";") if s] + \
-            [("swiglu", *map(int, s.split(","))) for s in a.swiglu.split(";") if s]
+    cases = [("dy", *map(int, s.split(","))) for s in a.shapes.split(";") if s]
     out = []
-    for kind, M, n in cases:
-        if kind == "dy":
-            nbytes = M * n * 2
-            ins = [(torch.randn(M, n, device="cuda", dtype=torch.bfloat16) * 3,)
-                   for _ in range(max(1, math.ceil(a.rotate_mb * 1e6 / nbytes)))]
+    for kind, M, N in cases:
+        nbytes = M * N * 2
+        ins = [(torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3,)
+               for _ in range(max(1, math.ceil(a.rotate_mb * 1e6 / nbytes)))]
 
-            def sep(i):
-                d = ins[i][0]
-                return (*quantize_act_triton(d, r, True), *quantize_transposed_triton(d, r, tile_scale=False))
+        def sep(i):
+            d = ins[i][0]
+            return (*quantize_act_triton(d, r, True), *quantize_transposed_triton(d, r, tile_scale=False))
 
-            def fused(i, plan):
-                return quantize_dual_triton(ins[i][0], r, True, plan=plan)
-            N = n
-        else:
-            nbytes = M * n * 6
-            ins = [(torch.randn(M, 2 * n, device="cuda", dtype=torch.bfloat16) * 2,
-                    torch.randn(M, n, device="cuda", dtype=torch.bfloat16))
-                   for _ in range(max(1, math.ceil(a.rotate_mb * 1e6 / nbytes)))]
-
-            def sep(i):
-                d = swiglu_backward_triton(*ins[i])
-                return (*quantize_act_triton(d, r, True), *quantize_transposed_triton(d, r, tile_scale=False))
-
-            def fused(i, plan):
-                return swiglu_backward_dual_triton(*ins[i], r, True, plan=plan)
-            N = 2 * n
+        def fused(i, plan):
+            return quantize_dual_triton(ins[i][0], r, True, plan=plan)
         ref = sep(0)
         base = time_rotated_ms(sep, len(ins))
-        default = dual_quant_plan(kind == "swiglu")
+        default = dual_quant_plan()
         res = []
         for plan in sorted(set(plans) | {default}):
             same = _same(fused(0, plan), ref)
@@ -91,8 +73,8 @@ def main() -> None:
         total.setdefault(v["kind"], {}).setdefault(tuple(v["plan"]), 0.0)
         total[v["kind"]][tuple(v["plan"])] += v["ms"]
     best = {k: min(t, key=t.get) for k, t in total.items()}
-    if len(best) == 2:
-        print("best plans (plain / SwiGLU): JETRL_DUAL_QUANT_PLAN=%d,%d/%d,%d" % (*best["dy"], *best["swiglu"]))
+    if best:
+        print("best plan (rows, warps) over the shapes: %d,%d (pass it as quantize_dual_triton(plan=...))" % best["dy"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

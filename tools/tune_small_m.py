@@ -28,8 +28,8 @@ from megatron_jetrl.bench.timing import dump_json, print_table, time_rotated_ms,
 from megatron_jetrl.precision.gemm import block_gemm
 from megatron_jetrl.precision.quant import quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import quantize_act_triton
-from megatron_jetrl.precision.triton_gemm import small_m_linear
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
+from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
 HBM_TBPS = 4.2  # copy-bandwidth ceiling measured on the H200
 

@@ -27,7 +27,7 @@ def bench_decode_shape(M: int, N: int, K: int, recipe: FP8Recipe, rotate_mb: flo
     time is the graph's time over the copies. FP8 cuBLAS = Triton activation quantizer + blockwise
     ``scaled_mm`` (the FP8 linear above ``precision.small_m_max``); Triton small-M = the fused
     kernel as the FP8 linear calls it below (quantization and split-K sum included)."""
-    from megatron_jetrl.precision.triton_gemm import small_m_linear
+    from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
     dev = torch.device("cuda")
     backend = resolve_backend("auto", dev)
@@ -177,7 +177,8 @@ def main(argv=None) -> list[dict]:
             "bf16_fwd_watts", "fp8_fwd_watts", "fp8_gemm_ms", "act_quant_ms", "act_quant_share_of_gemm", "act_quant_TBps",
             "fp8_fwd_tflops", "bf16_fwd_tflops", "bf16_fwdbwd_ms", "fp8_fwdbwd_ms", "fwdbwd_speedup",
             "weight_quant_ms", "swiglu_ms", "fused_swiglu_quant_ms", "fused_act_quant_share_of_gemm",
-            "bf16_swiglu_fc2_fwd_ms", "fp8_fused_swiglu_fc2_fwd_ms", "swiglu_fc2_fwd_speedup", "fp8_weight_GBps", "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
+            "bf16_swiglu_fc2_fwd_ms", "fp8_fused_swiglu_fc2_fwd_ms", "swiglu_fc2_fwd_speedup", "fp8_weight_GBps",
+            "bf16_weight_GBps", "scaled_mm_vs_emulated_rel"]
     print_table(rows, [c for c in cols if any(c in r for r in rows)])
     if args.decode:
         # the largest M up to which the small-M kernel takes less time than cuBLAS scaled_mm summed

@@ -52,7 +52,7 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
     from megatron_jetrl.config import load_config
 
     ap = argparse.ArgumentParser(prog="jetrl mismatch", description=__doc__)
@@ -64,7 +64,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    path = args.config or _preset_path(args.preset)
+    path = args.config or preset_path(args.preset)
     rows = []
     for mode in args.modes.split(","):
         cfg = load_config(path, [*args.overrides, f"precision.mode={mode}"])

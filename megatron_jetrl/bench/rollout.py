@@ -150,14 +150,14 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "sample_tokens": sum(len(x.output_ids) for x in gens)}
     for k, v in kernels.items():
         out[k if k.startswith(("kernel_ms", "graph_step", "prefill_kernel")) else k.replace("top", "top_kernels")] = v
-    del engine, model, dec
+    engine = model = dec = None  # freed before the next mode (the lambdas above hold the names)
     if cuda:
         torch.cuda.empty_cache()
     return out
 
 
 def main(argv=None) -> list[dict]:
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
     from megatron_jetrl.config import load_config
 
     ap = argparse.ArgumentParser(prog="jetrl bench rollout", description=__doc__.split("\n\n")[0])
@@ -175,7 +175,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for batch in map(int, args.batch.split(",")):
         for mode in args.modes.split(","):
-            cfg = load_config(_preset_path(args.preset), [*args.overrides, f"precision.mode={mode}"])
+            cfg = load_config(preset_path(args.preset), [*args.overrides, f"precision.mode={mode}"])
             rows.append(run_mode(cfg, batch, args.prompt_len, args.new_tokens, args.bandwidth, args.profile))
             print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

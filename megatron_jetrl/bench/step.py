@@ -99,7 +99,7 @@ def plot(rows: list[dict], path: str, title: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
 
     ap = argparse.ArgumentParser(prog="jetrl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
@@ -110,7 +110,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
-    rows = [run_mode(_preset_path(args.preset), m, args.overrides, args.steps, args.warmup) for m in args.modes.split(",")]
+    rows = [run_mode(preset_path(args.preset), m, args.overrides, args.steps, args.warmup) for m in args.modes.split(",")]
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")

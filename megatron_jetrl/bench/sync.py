@@ -21,7 +21,7 @@ def _sync():
 
 
 def main(argv=None) -> list[dict]:
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
     from megatron_jetrl.config import load_config
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
@@ -38,7 +38,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    cfg = load_config(_preset_path(args.preset), [*args.overrides, "precision.mode=jet"])
+    cfg = load_config(preset_path(args.preset), [*args.overrides, "precision.mode=jet"])
     init_distributed(cfg.parallel, cfg.seed)
     model, state = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision),
                                DTYPES[cfg.precision.params_dtype], cfg.precision.backend)

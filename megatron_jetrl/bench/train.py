@@ -163,7 +163,7 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: i
         _host_profile(lambda: actor.train_step(batch), f"{cfg.precision.mode} train step", cprofile)
         _host_profile(lambda: actor.compute_logprobs(batch), f"{cfg.precision.mode} logprob pass", cprofile)
     out["tokens_per_s"] = n_seqs * seq / out["phase"]
-    del actor, model, state, batch
+    actor = model = state = batch = None  # freed before the next mode
     if cfg.gc_freeze:  # the model's cycles must be collectable before the next mode builds its own
         from megatron_jetrl.memory import unfreeze_python_gc
 
@@ -175,7 +175,7 @@ def _phase(cfg, seq: int, n_seqs: int, steps: int, profile: int = 0, cprofile: i
 
 
 def main(argv=None) -> list[dict]:
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
     from megatron_jetrl.config import load_config
 
     ap = argparse.ArgumentParser(prog="jetrl bench train", description=__doc__)
@@ -209,7 +209,7 @@ def main(argv=None) -> list[dict]:
     for layers, seq in ((int(n), int(s)) for n in args.layers.split(",") for s in args.seqs.split(",")):
         res = {}
         for mode in ("bf16", "jet"):
-            cfg = load_config(_preset_path(args.preset), [
+            cfg = load_config(preset_path(args.preset), [
                 *args.overrides, f"precision.mode={mode}", f"model.num_layers={layers}",
                 f"model.max_position_embeddings={max(seq + 1, 4096)}", f"algo.micro_batch_size={args.micro_batch}"])
             res[mode] = _phase(cfg, seq, max(args.tokens_per_step // seq, 1), args.steps, args.profile, args.cprofile,

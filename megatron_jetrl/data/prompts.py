@@ -134,6 +134,11 @@ class PromptStream:
             self.pos += 1
         return out
 
+    def next_share(self, n: int, rank: int, world: int) -> list[Sample]:
+        """Data-parallel rank ``rank``'s ``n`` samples: every rank draws the same ``n * world`` (so the stream
+        position stays one number) and takes its own slice."""
+        return self.next(n * world)[rank * n:(rank + 1) * n]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 

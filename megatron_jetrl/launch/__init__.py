@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import sys
 
+from megatron_jetrl.env import admin_api_key, snapshot
 from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts, search_layouts,
                                            server_memory, trainer_memory, valid_tp)
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -66,7 +67,8 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
 
-def cluster_from(args, env=os.environ) -> Cluster:
+def cluster_from(args, env: dict | None = None) -> Cluster:
+    env = snapshot() if env is None else env
     nodes = args.nodes or int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     gpn = args.gpus_per_node or int(re.sub(r"\D.*", "", env.get("SLURM_GPUS_ON_NODE", "") or "0") or 0) or 8
     hosts = expand_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else \
@@ -323,9 +325,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
-    from megatron_jetrl.cli import _preset_path
+    from megatron_jetrl.config import preset_path
 
-    path = args.config or (_preset_path(args.preset) if args.preset else None)
+    path = args.config or (preset_path(args.preset) if args.preset else None)
     try:
         cfg = load_config(path, args.overrides)
         cluster = cluster_from(args)
@@ -338,7 +340,7 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.run_dir or cfg.logging.run_dir)
     config_path = os.path.join(run_dir, "launch_config.yaml")
     ckpt_dir = os.path.join(run_dir, "mcore_init") if args.hf_checkpoint else None
-    admin_key = cfg.rollout.admin_api_key or os.environ.get("JETRL_ADMIN_API_KEY") or secrets.token_hex(16)
+    admin_key = cfg.rollout.admin_api_key or admin_api_key() or secrets.token_hex(16)
     try:
         resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, admin_key, args.hf_checkpoint)
     except ConfigError as e:

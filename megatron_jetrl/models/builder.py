@@ -8,7 +8,6 @@ biases except qwen2's QKV bias, qwen3's QK-norm, RoPE with the model's theta, GQ
 from __future__ import annotations
 
 import logging
-import os
 import types
 
 import torch
@@ -26,9 +25,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def fused_rope_available() -> bool:
-    """Whether megatron's fused-RoPE slot holds our Triton RoPE (``models.rope``: CUDA, no
-    TransformerEngine, ``JETRL_FUSED_ROPE`` not ``0``); then ``apply_rope_fusion`` routes to it."""
-    from megatron_jetrl.models import rope
+    """Whether megatron's fused-RoPE slot holds our Triton RoPE (``kernels.rope_train``: CUDA, no
+    TransformerEngine); then ``apply_rope_fusion`` routes to it."""
+    from megatron_jetrl.kernels import rope_train as rope
 
     return rope.install()
 
@@ -78,13 +77,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: torc
 
 def _te_spec(model: ModelConfig, recipe: FP8Recipe):
     """Megatron's TransformerEngine layer spec and the TransformerConfig fields of the recipe."""
-    import os
-
+    from megatron_jetrl import env
     from megatron_jetrl.config import ConfigError
     from megatron_jetrl.precision.te_backend import te_env, te_transformer_config
 
     for k, v in te_env(recipe).items():
-        os.environ.setdefault(k, v)  # before TE reads it (config validation refused a contradicting value)
+        env.set_default(k, v)  # before TE reads it (config validation refused a contradicting value)
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -107,7 +105,7 @@ def _batch_major_output(self, input_, weight=None, runtime_gather_output=None):
     :class:`_ToBatchMajor`). Same GEMM, same rows, same bytes. Only when the model returns the logits
     (``GPTModel.forward`` without ``labels``: megatron's own loss views them ``[s * b, V]``; set by
     :func:`_note_labels`), for ``s, b > 1``, without sequence parallelism (which gathers along ``s``) or deferred
-    embedding wgrads; ``JETRL_BATCH_MAJOR_LOGITS=0`` keeps megatron's path."""
+    embedding wgrads."""
     plain = type(self).forward
     if (not getattr(self, "batch_major_logits", False) or input_.dim() != 3 or input_.shape[0] == 1
             or input_.shape[1] == 1 or self.sequence_parallel or self.config.defer_embedding_wgrad_compute):
@@ -173,7 +171,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
         for p in gpt.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-    if gpt.post_process and os.environ.get("JETRL_BATCH_MAJOR_LOGITS", "1") != "0":
+    if gpt.post_process:
         gpt.output_layer.forward = types.MethodType(_batch_major_output, gpt.output_layer)
         gpt.register_forward_pre_hook(_note_labels, with_kwargs=True)
     if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
@@ -182,3 +180,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
         return gpt, state
     state: FP8ModelState = attach_fp8(gpt, recipe, backend, device)
     return gpt, state
+
+
+def apply_precision_settings(state: FP8ModelState, precision) -> None:
+    """The FP8 model state's settings from the config's ``precision`` section (read once, here)."""
+    state.small_m_max = precision.small_m_max
+    state.decode_gemm = precision.decode_gemm
+    state.fuse_swiglu = precision.fuse_swiglu
+    state.fuse_wgrad_accumulation = precision.fuse_wgrad_accumulation
+    state.release_bf16_weights = precision.release_bf16_weights
+    state.cache_dgrad_weights = precision.cache_dgrad_weights

@@ -8,7 +8,7 @@ weight every micro-batch. APEX is not installed here, so :func:`enable` fills me
 the same two calls in torch: ``torch.addmm(main_grad, dy^T, x, out_dtype=float32, out=main_grad)`` (one
 cuBLAS GEMM with beta = 1 and an fp32 output, BF16 inputs; CUDA) or ``main_grad.addmm_`` where the dtypes
 already agree (fp32 parameters, the CPU run). The FP8 linears do the same for their FP8 wgrad
-(``precision/linear.py``, ``precision/cublaslt.py``); this covers what stays BF16: the LM head in every
+(``precision/linear.py``, ``kernels/cublaslt.py``); this covers what stays BF16: the LM head in every
 mode, and every linear in ``bf16`` / ``fp8_rollout`` training, so the baselines get the fusion too. The
 input embedding (untied) adds its rows' gradients into its ``main_grad`` the same way
 (:class:`_EmbeddingIntoMainGrad`) instead of a dense [vocab, H] gradient added by the hook.

@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_jetrl.precision.linear import FP8LinearMixin, SwigluGradLink, swiglu_grad_link
+from megatron_jetrl.precision.linear import FP8LinearMixin
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -63,34 +63,10 @@ class SDPAttention(MegatronModule):
             causal = True
         elif sq != 1:  # chunked prefill against a cache: bottom-right aligned causal mask
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        with sdpa_backend(q.device):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
-
-
-_SDPA_FIRST = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
-
-
-def sdpa_backend(device: torch.device):
-    """The SDPA kernel order of the model's core attention: torch's own choice (flash attention for
-    causal BF16 training) unless ``JETRL_SDPA`` names the backend to try first (``cudnn``, ``flash``,
-    ``efficient``; torch falls back to the others where it declines the inputs). Measured on the H200
-    by ``tools/attn_backends.py`` (docs/benchmarks.md)."""
-    import contextlib
-    import os
-
-    first = os.environ.get("JETRL_SDPA", "")
-    if not first or device.type != "cuda":
-        return contextlib.nullcontext()
-    if first not in _SDPA_FIRST:
-        raise ValueError(f"JETRL_SDPA={first!r}: use one of {', '.join(_SDPA_FIRST)} (or leave it unset)")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [getattr(SDPBackend, _SDPA_FIRST[first])] + [getattr(SDPBackend, n) for n in _SDPA_FIRST.values()
-                                                         if n != _SDPA_FIRST[first]] + [SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
 
 
 class JetMLP(MLP):
@@ -121,11 +97,6 @@ class JetMLP(MLP):
             if bias is not None:
                 y = y + bias
             return fc2(swiglu_fused(y))
-        # training with JETRL_SWIGLU_GRAD_LINK=1: fc2's backward may hand fc1's backward its output gradient
-        # already quantized (precision.linear.SwigluGradLink); taken only if fc2 gets fc1's FP8 output as is
-        link = (SwigluGradLink() if torch.is_grad_enabled() and swiglu_grad_link()
-                and getattr(fc1, "fp8_state", None) is state else None)
-        fc1.swiglu_grad_link = fc2.swiglu_grad_link = link
         try:
             y, bias = fc1(hidden_states)
             if bias is not None:
@@ -134,9 +105,6 @@ class JetMLP(MLP):
             return fc2(y)
         finally:
             fc2.swiglu_input = False
-            fc1.swiglu_grad_link = fc2.swiglu_grad_link = None
-            if link is not None:
-                link.y = None
 
 
 class JetSpecProvider(LocalSpecProvider):

@@ -13,7 +13,7 @@ torch's blockwise ``scaled_mm`` rejects 1x128 x 1x128, which is why wgrad re-blo
 Backends:
 - ``scaled_mm``: ``torch.nn.functional.scaled_mm`` BlockWise1x128 x BlockWise128x128 (cuBLAS,
   Hopper and newer, CUDA). Shapes listed by :func:`set_kernel` (the static decoder's tuning:
-  :func:`tune_kernels`) run DeepGEMM's kernel instead (``precision/deepgemm.py``; same operands).
+  :func:`tune_kernels`) run DeepGEMM's kernel instead (``kernels/deepgemm.py``; same operands).
 - ``emulated``: any device; the same fp8 values and scales, dequantized and multiplied in
   float32. The reference for the other backend.
 """
@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from megatron_jetrl.kernels.layout import col_major, contraction_multiple
 from megatron_jetrl.precision.quant import dequantize_blocks
 
 log = logging.getLogger(__name__)
@@ -73,26 +74,14 @@ def _emulated(a, a_s, b, b_s, out_dtype, group):
     return (a_deq @ b_deq.t()).to(out_dtype)
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(0) == 1 else t.t().contiguous().t()
-
-
-def _k_major(b: torch.Tensor) -> torch.Tensor:
+def k_major(b: torch.Tensor) -> torch.Tensor:
     """A row-major copy of ``b`` (dgrad's ``W^T`` view): the tiled Triton transpose on CUDA when
     ``b`` is the transpose of a contiguous tensor (torch's strided fp8 copy was ~10x slower)."""
     if b.is_cuda and b.t().is_contiguous():
-        from megatron_jetrl.precision.triton_quant import transpose_bytes_triton
+        from megatron_jetrl.kernels.triton_quant import transpose_bytes_triton
 
         return transpose_bytes_triton(b.t())
     return b.contiguous()
-
-
-def contraction_multiple(group: int = 128) -> int:
-    """The contraction length cuBLAS's block-scaled GEMMs take as is: whole groups, a group count that is a
-    multiple of 4 (seen on the H200, torch 2.11: scale shapes are checked as [round_up(Kc/G, 4), ...]). The one
-    statement of the rule for :func:`_scaled_mm`'s padding, :func:`wgrad_token_pad` and the cuBLASLt
-    accumulation's ``shapes_ok``."""
-    return 4 * group
 
 
 def wgrad_token_pad(tokens: int, backend: str, group: int = 128) -> int:
@@ -162,7 +151,7 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
     and run the shape on DeepGEMM from now on when it is more than ``min_gain`` faster (:func:`set_kernel`).
     Nothing changes where DeepGEMM is not built or does not take the shape. Returns ``{"MxNxK": {"cublas_us",
     "deepgemm_us", "kernel"}}`` per shape timed (microseconds per weight)."""
-    from megatron_jetrl.precision import deepgemm
+    from megatron_jetrl.kernels import deepgemm
 
     out: dict[str, dict] = {}
     if not weights or not deepgemm.available(next(iter(weights.values()))[0][0].device)[0]:
@@ -195,10 +184,10 @@ def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
     M, Kc = a.shape
     N = b.shape[0]
     if _KERNELS and _KERNELS.get((M, N, Kc)) == "deepgemm":
-        from megatron_jetrl.precision import deepgemm
+        from megatron_jetrl.kernels import deepgemm
 
         if b.stride(1) != 1:
-            b = _k_major(b)
+            b = k_major(b)
         if deepgemm.takes(a, b, out_dtype, group):
             return deepgemm.gemm(a, a_s, b, b_s)
     # cuBLAS (seen on the H200, torch 2.11): Kc a multiple of contraction_multiple(group), M and N
@@ -218,9 +207,9 @@ def _scaled_mm(a, a_s, b, b_s, out_dtype, group):
     # of a row-major b. For dgrad (b = W^T, a view of the cached W) that is one byte-for-byte
     # transposed copy of the same FP8 blocks: no re-quantization, same bytes as the forward.
     if b.stride(1) != 1:
-        b = _k_major(b)
-    return scaled_mm(a, b.t(), _col_major(a_s), ScalingType.BlockWise1x128,
-                     _col_major(b_s.t()), ScalingType.BlockWise128x128, output_dtype=out_dtype)
+        b = k_major(b)
+    return scaled_mm(a, b.t(), col_major(a_s), ScalingType.BlockWise1x128,
+                     col_major(b_s.t()), ScalingType.BlockWise128x128, output_dtype=out_dtype)
 
 
 def block_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
@@ -237,10 +226,10 @@ def block_gemm_accumulate(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b
                           out: torch.Tensor, backend: str, group: int = 128) -> torch.Tensor:
     """``out += (a * a_s) @ (b * b_s)^T`` in fp32, in place: the product is never rounded to ``out``'s
     neighbours' BF16 (the weight-gradient GEMM into megatron's fp32 ``main_grad``). ``scaled_mm``: one
-    cuBLASLt call with beta = 1 (``precision/cublaslt.py``; check :func:`accumulate_supported` first);
+    cuBLASLt call with beta = 1 (``kernels/cublaslt.py``; check :func:`accumulate_supported` first);
     ``emulated``: the dequantized fp32 product added."""
     if backend == "scaled_mm":
-        from megatron_jetrl.precision.cublaslt import block_gemm_accumulate as lt_accumulate
+        from megatron_jetrl.kernels.cublaslt import block_gemm_accumulate as lt_accumulate
 
         return lt_accumulate(a, a_s, b, b_s, out)
     if backend == "emulated":
@@ -253,7 +242,7 @@ def accumulate_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ba
     if backend == "emulated":
         return out.dtype == torch.float32 and out.shape == (a.shape[0], b.shape[0])
     if backend == "scaled_mm":
-        from megatron_jetrl.precision import cublaslt
+        from megatron_jetrl.kernels import cublaslt
 
         return cublaslt.available()[0] and cublaslt.shapes_ok(a, b, out)
     return False

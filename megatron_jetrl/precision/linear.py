@@ -6,7 +6,7 @@ transposed view: no second FP8 copy); wgrad FP8 (dy^T in 1x128 groups along toke
 128x128 from the saved FP8 activations) or BF16 per recipe; with an FP8 wgrad both of dy's operands come
 from one pass over dy (``quant.quantize_dual``); under megatron's DDP the FP8 wgrad adds its
 fp32 result straight into the weight's fp32 ``main_grad`` (gradient-accumulation fusion,
-``precision/cublaslt.py``; the wgrad operands' token dimension is padded to a multiple of 512 in the
+``kernels/cublaslt.py``; the wgrad operands' token dimension is padded to a multiple of 512 in the
 quantizers' buffers where cuBLAS needs it, ``gemm.wgrad_token_pad``). Only the FP8 activations and their
 scales are saved for backward.
 Gradients between ops stay BF16; fp32 master weights stay in the optimizer.
@@ -18,19 +18,18 @@ rollout layout (``perm``) so its bytes and ``weight_scale_inv`` are exactly what
 engine loads; the GEMM output is permuted back to Megatron's column order. Where the permutation
 moves whole 128-row blocks (head_dim a multiple of 128, as in Llama/Qwen 7B+), the training GEMMs
 instead use the same blocks reordered into Megatron's row order once per version
-(``FP8WeightCache.train_order``; ``JETRL_QKV_TRAIN_ORDER=0``: the permuted path).
+(``FP8WeightCache.train_order``; ``FP8ModelState.qkv_train_order=False``: the permuted path).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Optional
 
 import torch
 
-from megatron_jetrl.models.hf_mapping import qkv_permutation
+from megatron_jetrl.precision.layout import qkv_permutation
 from megatron_jetrl.precision import gemm
 from megatron_jetrl.precision.gemm import block_gemm, resolve_backend
 from megatron_jetrl.precision.quant import (dequantize_act, quantize_act, quantize_dual, quantize_transposed,
@@ -68,6 +67,14 @@ class FP8ModelState:
         # jet training: dgrad's K-major FP8 weight made once per step and shared by its micro-batches
         # (precision.cache_dgrad_weights; dropped after each step's backward: drop_dgrad_weights)
         self.cache_dgrad_weights = True
+        # the FP8 backward quantizes each output gradient both ways in one pass (quant.quantize_dual; 1.25-1.28x
+        # the two separate quantizers on the H200); False: one quantizer per operand, the same bytes (the
+        # reference the tests compare with)
+        self.fused_dy_quant = True
+        # a fused QKV trains on its FP8 blocks gathered into Megatron's row order (no permutation of y, dy or
+        # dW; FP8WeightCache.train_order); False: the rollout-order weight with permutations, the same values
+        # (the reference the tests compare with)
+        self.qkv_train_order = True
         # linears left in BF16 because their shape does not fit the FP8 blocks (attach_fp8); module names
         self.bf16_linears: list[str] = []
 
@@ -125,7 +132,7 @@ class FP8WeightCache:
         if w.is_cuda and self._holds(w, state.recipe):
             # quantized straight into the cache's buffers (no temporaries, no concatenation); the
             # training-order copy straight from the Megatron-order weight (the same blocks and scales)
-            from megatron_jetrl.precision.triton_quant import quantize_weight_triton
+            from megatron_jetrl.kernels.triton_quant import quantize_weight_triton
 
             for part, out in zip(w.split(self.sub_rows, 0), self.parts()):
                 quantize_weight_triton(part, state.recipe, out=out)
@@ -175,9 +182,9 @@ class FP8WeightCache:
         call."""
         key = (q.data_ptr(), s.data_ptr(), self.stores, self._train_stores)
         if self._t is None or self._t_key != key:
-            from megatron_jetrl.precision.gemm import _k_major
+            from megatron_jetrl.precision.gemm import k_major
 
-            self._t = _k_major(q.t())
+            self._t = k_major(q.t())
             self._t_scale = s.t().contiguous()
             self._t_key = key
         return self._t, self._t_scale
@@ -235,7 +242,7 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x @ W^T in block FP8; see the module docstring for the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None,
+    def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, fused_dy=True,
                 cache=None):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
@@ -243,16 +250,13 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
         ctx.weight = weight if fuse_accum else None
-        ctx.link, ctx.cache = link, cache
+        ctx.fused_dy, ctx.cache = fused_dy, cache
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
-        pre = None
-        if ctx.link is not None:  # fc1 of a gated MLP: fc2's backward may have quantized our dy already
-            pre, ctx.link.operands = ctx.link.operands, None
-        dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre)
+        dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm)
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 
@@ -291,58 +295,22 @@ def _main_grad_target(ctx, inv_perm, a, b):
     return mg if accumulate_supported(a, b, mg, ctx.backend) else None
 
 
-def fused_dy_quant() -> bool:
-    """Whether the FP8 backward quantizes each output gradient both ways in one pass (``quant.quantize_dual``;
-    1.25-1.28x the two separate quantizers on the H200); ``JETRL_FUSED_DY_QUANT=0``: one quantizer per operand
-    (the same bytes, for timing the difference)."""
-    return os.environ.get("JETRL_FUSED_DY_QUANT", "1") != "0"
-
-
-def swiglu_grad_link() -> bool:
-    """Whether a gated MLP's fc2 hands fc1 its output gradient already quantized (``SwigluGradLink``). Off
-    unless ``JETRL_SWIGLU_GRAD_LINK=1``: the same bytes, but its one-pass kernel (SwiGLU backward + both
-    quantizations, ``triton_quant.swiglu_backward_dual_triton``) measured 0.74x the SwiGLU-backward kernel
-    followed by the separate quantizers on the H200 (0.51 vs 0.38 ms at 4096 x 2 x 14336; docs/benchmarks.md),
-    so the default is the SwiGLU-backward kernel followed by the one-pass quantizer."""
-    return fused_dy_quant() and os.environ.get("JETRL_SWIGLU_GRAD_LINK", "0") == "1"
-
-
-class SwigluGradLink:
-    """One gated-MLP forward's fc1 -> fc2 hand-off (``models.spec.JetMLP``): fc1's FP8 forward leaves its
-    output in ``y``; fc2 takes the link only if it is handed exactly that tensor (no bias add between). Then
-    fc2's backward computes fc1's output gradient and quantizes it in one pass
-    (``quant.swiglu_backward_dual``), leaving fc1's dgrad and wgrad operands in ``operands`` and autograd a
-    zero placeholder: fc1's output has no other consumer, and its backward takes ``operands`` instead of
-    quantizing the BF16 gradient (which is never written)."""
-
-    __slots__ = ("y", "operands")
-
-    def __init__(self):
-        self.y, self.operands = None, None
-
-
-def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm, pre=None):
-    """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring); ``pre``: dy's
-    four FP8 operands (``quantize_dual``'s), computed by the op that produced dy."""
+def _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm):
+    """dgrad and wgrad of ``y = x W^T`` from the saved FP8 ``x`` (see the module docstring)."""
     recipe, backend, g = ctx.recipe, ctx.backend, ctx.recipe.group_size
     N = dy.shape[-1]
     dy2 = dy.reshape(-1, N)
     # the wgrad operands' token dimension padded in the quantizers' buffers to what the GEMM takes as is
-    # (gemm.wgrad_token_pad; a hand-off's operands, pre, come padded alike)
+    # (gemm.wgrad_token_pad)
     pad = gemm.wgrad_token_pad(dy2.shape[0], backend, g)
-    if pre is not None:
-        if perm is not None or recipe.wgrad != "fp8":
-            raise RuntimeError("pre-quantized output gradient handed to a permuted or BF16-wgrad FP8 linear")
-        dyq, dys, dyt_q, dyt_s = pre
+    if perm is not None:
+        dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
+    if recipe.wgrad == "fp8" and ctx.fused_dy:  # both of dy's operands below in one pass
+        dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, recipe, scale_col_major=backend == "scaled_mm", pad_to=pad)
     else:
-        if perm is not None:
-            dy2 = dy2.index_select(1, perm)  # into the cached weight's (rollout) row order
-        if recipe.wgrad == "fp8" and fused_dy_quant():  # both of dy's operands below in one pass
-            dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, recipe, scale_col_major=backend == "scaled_mm", pad_to=pad)
-        else:
-            dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
-            if recipe.wgrad == "fp8":
-                dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False, pad_to=pad)
+        dyq, dys = quantize_act(dy2, recipe, scale_col_major=backend == "scaled_mm")
+        if recipe.wgrad == "fp8":
+            dyt_q, dyt_s = quantize_transposed(dy2, recipe, tile_scale=False, pad_to=pad)
     # dgrad: dy in 1x128 groups along N; the forward weight blocks serve W^T (the same bytes, K-major: the
     # step's one transpose from the cache when precision.cache_dgrad_weights, else one per micro-batch)
     # (and the block scales' K-major copy, which cuBLAS's scale operand would otherwise make per call)
@@ -378,7 +346,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
     the FP8 linear's (dgrad, wgrad) followed by the SwiGLU derivative in fp32."""
 
     @staticmethod
-    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, link=None,
+    def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, fused_dy=True,
                 cache=None):
         from megatron_jetrl.precision.quant import quantize_swiglu
 
@@ -388,24 +356,16 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
         ctx.weight = weight if fuse_accum else None
-        ctx.link, ctx.cache = link, cache
+        ctx.fused_dy, ctx.cache = fused_dy, cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
         y, xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
-        from megatron_jetrl.precision.quant import swiglu_backward, swiglu_backward_dual
+        from megatron_jetrl.precision.quant import swiglu_backward
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
-        if ctx.link is not None:  # fc1's dgrad/wgrad operands in one pass; autograd gets a zero placeholder
-            y2 = y.reshape(-1, y.shape[-1])
-            ctx.link.operands = swiglu_backward_dual(
-                y2, da.reshape(-1, da.shape[-1]), ctx.recipe, scale_col_major=ctx.backend == "scaled_mm",
-                pad_to=gemm.wgrad_token_pad(y2.shape[0], ctx.backend, ctx.recipe.group_size))
-            dy = torch.zeros((), dtype=y.dtype, device=y.device).expand(y.shape)
-        else:
-            dy = swiglu_backward(y, da)
-        return dy, dw, None, None, None, None, None, None, None, None, None
+        return swiglu_backward(y, da), dw, None, None, None, None, None, None, None, None, None
 
 
 class FP8LinearMixin:
@@ -428,9 +388,6 @@ class FP8LinearMixin:
     small-M GEMM splits K, the call returns the unsummed fp32 partials ``[split, tokens, N]`` and sets
     ``deferred_splits``; the norm kernel sums them (same bytes as the sum kernel, one launch less)."""
     deferred_splits = 0
-    swiglu_grad_link: Optional[SwigluGradLink] = None
-    """Set by the gated MLP (``models.spec.JetMLP``) on fc1 and fc2 around one training forward: see
-    ``SwigluGradLink``."""
     rollout_layout_output = False
     """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
     the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
@@ -460,7 +417,7 @@ class FP8LinearMixin:
         if (not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
                 and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
             from megatron_jetrl.precision.quant import swiglu
-            from megatron_jetrl.precision.triton_gemm import small_m_linear
+            from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
             fused = self.swiglu_input and M > 8  # SwiGLU in the activation quantizer (one kernel)
             if self.swiglu_input and not fused:  # a few rows: the activation in torch, its quantization in the GEMM
@@ -477,7 +434,7 @@ class FP8LinearMixin:
             if inv_perm is not None:
                 out = out.index_select(-1, inv_perm.to(out.device))
             return out if bias is None else out + bias
-        if inv_perm is not None and cache.train_blocks is not None and os.environ.get("JETRL_QKV_TRAIN_ORDER", "1") != "0":
+        if inv_perm is not None and cache.train_blocks is not None and self.fp8_state.qkv_train_order:
             # the same FP8 blocks in Megatron's row order: no permutation of y, dy or dW
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
@@ -489,18 +446,9 @@ class FP8LinearMixin:
                               self.fp8_state.recipe.group_size, input.shape[:-1])
             return y if bias is None else y + bias
         fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
-        link = self.swiglu_grad_link
-        if link is not None:
-            if self.swiglu_input:  # fc2: only with fc1's own FP8 output as input
-                link_ok, link.y = link.y is input and inv_perm is None, None
-            else:  # fc1: its dy can come pre-quantized (no row permutation, FP8 wgrad)
-                link_ok = inv_perm is None and bias is None and self.fp8_state.recipe.wgrad == "fp8"
-            link = link if link_ok and torch.is_grad_enabled() and swiglu_grad_link() else None
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
-                       self.fp8_state.fuse_wgrad_accumulation, link,
+                       self.fp8_state.fuse_wgrad_accumulation, self.fp8_state.fused_dy_quant,
                        cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None)
-        if link is not None and not self.swiglu_input:
-            link.y = out
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):
@@ -526,7 +474,7 @@ def _whole_block_map(inv_perm: Optional[torch.Tensor], block: int) -> Optional[t
     return start // block
 
 
-def _layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor]]:
+def weight_layout(name: str, module, config) -> tuple[list[int], Optional[torch.Tensor]]:
     rows, cols = module.weight.shape
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "linear_qkv":
@@ -543,7 +491,7 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
     """Configure every FP8 linear of ``model``; checks block alignment of each TP shard where FP8 runs
     (``ConfigError``, one line); logs and returns the shared state. In ``bf16`` mode the layers stay BF16
     (state.forward_fp8 False) and any shape is accepted."""
-    from megatron_jetrl.config import ConfigError
+    from megatron_jetrl.errors import ConfigError
 
     if device is None:
         device = next(model.parameters()).device
@@ -554,7 +502,7 @@ def attach_fp8(model: torch.nn.Module, recipe: FP8Recipe, backend: str = "auto",
         if not isinstance(module, FP8LinearMixin):
             continue
         rows, cols = module.weight.shape
-        sub, perm = _layout(name, module, module.config)
+        sub, perm = weight_layout(name, module, module.config)
         g = recipe.group_size
         tp = getattr(module, "tp_size", 1)
         split = cols if hasattr(module, "input_is_parallel") else rows

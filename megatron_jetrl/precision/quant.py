@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.kernels.layout import transposed_outputs
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 _INV_MAX = {}  # fp32(1/448), fp32(448) per fp8_max, as 0-d float32 tensors per device
@@ -73,7 +74,7 @@ def quantize_act(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = N
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import quantize_act_triton
+        from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 
         return quantize_act_triton(x, recipe, scale_col_major)
     lead = x.shape[:-1]
@@ -98,7 +99,7 @@ class _SwigluFunction(torch.autograd.Function):
     def forward(ctx, y):
         ctx.save_for_backward(y)
         if y.is_cuda and y.dtype in (torch.bfloat16, torch.float32):
-            from megatron_jetrl.precision.triton_quant import swiglu_triton
+            from megatron_jetrl.kernels.triton_quant import swiglu_triton
 
             return swiglu_triton(y)
         return swiglu(y)
@@ -123,7 +124,7 @@ def swiglu_backward(y: torch.Tensor, da: torch.Tensor, use_triton: bool | None =
     if use_triton is None:
         use_triton = y.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import swiglu_backward_triton
+        from megatron_jetrl.kernels.triton_quant import swiglu_backward_triton
 
         return swiglu_backward_triton(y, da)
     gate, up = y.float().chunk(2, dim=-1)
@@ -142,25 +143,11 @@ def quantize_dual(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = Fa
     if use_triton is None:
         use_triton = d.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import quantize_dual_triton
+        from megatron_jetrl.kernels.triton_quant import quantize_dual_triton
 
         return quantize_dual_triton(d, recipe, scale_col_major, pad_to=pad_to)
     return (*quantize_act(d, recipe, use_triton=False, scale_col_major=scale_col_major),
             *quantize_transposed(d, recipe, False, use_triton=False, pad_to=pad_to))
-
-
-def swiglu_backward_dual(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
-                         use_triton: bool | None = None, pad_to: int = 0):
-    """``quantize_dual(swiglu_backward(y, da), pad_to=pad_to)``: fc1's FP8 dgrad and wgrad operands straight from
-    fc2's activation gradient; on CUDA (F a multiple of the group size) one Triton pass that never writes the
-    BF16 gradient of fc1's output (same bytes and scales)."""
-    if use_triton is None:
-        use_triton = y.is_cuda and (y.shape[-1] // 2) % recipe.group_size == 0
-    if use_triton:
-        from megatron_jetrl.precision.triton_quant import swiglu_backward_dual_triton
-
-        return swiglu_backward_dual_triton(y, da, recipe, scale_col_major, pad_to=pad_to)
-    return quantize_dual(swiglu_backward(y, da), recipe, scale_col_major, pad_to=pad_to)
 
 
 def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None,
@@ -170,7 +157,7 @@ def quantize_swiglu(y: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None 
     if use_triton is None:
         use_triton = y.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+        from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
 
         return swiglu_quant_triton(y, recipe, scale_col_major)
     return quantize_act(swiglu(y), recipe, use_triton=False, scale_col_major=scale_col_major)
@@ -183,7 +170,7 @@ def quantize_weight(w: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None 
     if use_triton is None:
         use_triton = w.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import quantize_weight_triton
+        from megatron_jetrl.kernels.triton_quant import quantize_weight_triton
 
         return quantize_weight_triton(w, recipe)
     return quantize_blocks(w, *recipe.weight_block, recipe)
@@ -200,7 +187,7 @@ def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
-        from megatron_jetrl.precision.triton_quant import quantize_transposed_triton
+        from megatron_jetrl.kernels.triton_quant import quantize_transposed_triton
 
         return quantize_transposed_triton(x, recipe, tile_scale, x_scale, pad_to=pad_to)
     if x_scale is not None:
@@ -213,24 +200,6 @@ def quantize_transposed(x: torch.Tensor, recipe: FP8Recipe, tile_scale: bool,
     qp[:, : q.shape[1]] = q
     sp[:, : s.shape[1]] = s
     return qp, sp
-
-
-def transposed_outputs(C: int, R: int, scale_rows: int, recipe: FP8Recipe, device, pad_to: int = 0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty x^T FP8 [C, Rp] and scales [scale_rows, Rp/G] for a quantizer along R (``quantize_transposed``'s
-    outputs), with Rp = R rounded up to ``pad_to`` (a multiple of G; 0: R). The quantizer writes [:, :R] and the
-    first ceil(R/G) scale columns (row strides Rp and Rp/G); the padding is zero bytes with scale 1 (the wgrad
-    GEMM adds nothing from it)."""
-    G = recipe.group_size
-    if pad_to and pad_to % G:
-        raise ValueError(f"pad_to={pad_to}: must be a multiple of the group size {G}")
-    Rp = -(-R // pad_to) * pad_to if pad_to else R
-    q = torch.empty((C, Rp), dtype=recipe.dtype, device=device)
-    s = torch.empty((scale_rows, -(-Rp // G)), dtype=torch.float32, device=device)
-    if Rp > R:
-        q.view(torch.uint8)[:, R:].zero_()
-        s[:, -(-R // G):].fill_(1.0)
-    return q, s
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,

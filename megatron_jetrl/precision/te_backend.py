@@ -19,7 +19,8 @@ pass, with one exception megatron-core does not let us configure: it builds
 ``Float8BlockScaling(fp8_format=...)`` itself (core/fp8_utils.py), so TE's ``amax_epsilon`` stays 0
 where ours is the recipe's 1e-10. That changes only groups whose amax is below 1e-10: all-zero groups
 give zero bytes either way (only their unused scale differs), and a group of magnitudes < 1e-10 is
-quantized by TE with its true scale instead of ours. TE's backward differs from the emulated/scaled_mm backends in one place: wgrad quantizes
+quantized by TE with its true scale instead of ours. TE's backward differs from the emulated/scaled_mm backends in one
+place: wgrad quantizes
 x^T from high precision in 1x128 groups along tokens, ours re-blocks the saved FP8 activations; that
 changes training, not the train/rollout match, so it is allowed and stated.
 

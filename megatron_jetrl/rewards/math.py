@@ -5,7 +5,6 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-from megatron_jetrl.rewards.registry import register_reward
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
@@ -57,19 +56,16 @@ def answers_equal(pred: Optional[str], ref: str) -> bool:
     return pred.strip() == ref.strip()
 
 
-@register_reward("math")
 def math_reward(response: str, answer: str, metadata: dict) -> float:
     """1.0 when the extracted final answer equals the reference numerically, else 0.0."""
     return 1.0 if answers_equal(extract_answer(response), answer) else 0.0
 
 
-@register_reward("exact")
 def exact_reward(response: str, answer: str, metadata: dict) -> float:
     """1.0 when the whole response (stripped) equals the reference."""
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
-@register_reward("hash")
 def hash_reward(response: str, answer: str, metadata: dict) -> float:
     """A pseudo-random reward in [0, 1): the response's SHA-256 read as a fraction (the same text always
     scores the same). For speed benchmarks on random weights (``jetrl bench step``): there a verifiable

@@ -28,24 +28,36 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
-    weight_version: int
+    """What the scheduler and the hand-over use of an engine. Two implement it: ``rollout.local.LocalEngine``
+    (in process, on the trainer's own model and FP8 cache) and ``rollout.sglang.RolloutFleet`` (SGLang
+    servers or ``jetrl serve``)."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    remote: bool
+    """False: the engine runs on the trainer's model in this process (the weights are already there; a
+    hand-over only bumps the version, ``update_weights``). True: a fleet of servers (the weights are pushed,
+    ``push_weights``; GPU memory is released and resumed around the phases)."""
+    weight_version: int
+    metrics: dict
+    """The last call's health and transport numbers (logged with the step)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *args, **kwargs) -> list[Generation]: ...
 
     def update_weights(self, version: int, hashes: dict[str, str] | None = None) -> dict: ...
 
-    def release_memory(self) -> None: ...
+    def push_weights(self, version: int, items, check_parity: bool = True, disk_push=None) -> dict: ...
 
-    def resume_memory(self) -> None: ...
+    def release_memory(self, tags: list[str] | None = None) -> None: ...
+
+    def resume_memory(self, tags: list[str] | None = None) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def fused_sampling(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Whether ``sample_next`` takes the one-kernel Triton sampler (``rollout/triton_sample.py``):
-    CUDA, plain temperature sampling (no top-k/top-p), unless ``JETRL_FUSED_SAMPLE=0``."""
-    import os
-
+    """Whether ``sample_next`` takes the one-kernel Triton sampler (``kernels/sample.py``):
+    CUDA, plain temperature sampling (no top-k/top-p)."""
     return (logits.is_cuda and params.temperature > 0 and not (params.top_k and params.top_k < logits.shape[-1])
-            and params.top_p >= 1.0 and os.environ.get("JETRL_FUSED_SAMPLE", "1") != "0")
+            and params.top_p >= 1.0)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -58,7 +70,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     ``row_seeds`` [B] and ``positions`` [B] (the position of each row's last token), each row draws
     with SGLang's seeded rule (``rollout/seeded.py``): its token depends on its seed and position only."""
     if row_seeds is None and seed is not None and fused_sampling(logits, params):
-        from megatron_jetrl.rollout.triton_sample import fused_sample
+        from megatron_jetrl.kernels.sample import fused_sample
 
         return fused_sample(logits, params.temperature, seed)
     logits = logits.float()

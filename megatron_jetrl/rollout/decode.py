@@ -20,7 +20,7 @@ its own KV cache with static shapes:
 - RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
   rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
   layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
-- on CUDA the residual add and the RMSNorm are one kernel (``models/norm.py``; optionally with the next
+- on CUDA the residual add and the RMSNorm are one kernel (``kernels/rmsnorm.py``; optionally with the next
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
@@ -33,7 +33,6 @@ and reused while the weight storage is unchanged (the FP8 cache refreshes in pla
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -42,8 +41,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_jetrl.config import RolloutConfig
-from megatron_jetrl.models.norm import JetRMSNorm, add_rmsnorm_quant, triton_rmsnorm_enabled
-from megatron_jetrl.rollout.triton_rope import rope_and_cache, rope_tables, rope_torch
+from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
+from megatron_jetrl.models.norm import JetRMSNorm
+from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
+from megatron_jetrl.env import triton_interpreted
 
 log = logging.getLogger(__name__)
 
@@ -114,33 +115,29 @@ class StaticDecoder:
         # keeps megatron's own function)
         self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
-        # (CUDA, the one-kernel RMSNorm of models/norm.py)
-        self.fuse_add_norm = self.device.type == "cuda" and triton_rmsnorm_enabled()
+        # (CUDA, the one-kernel RMSNorm of kernels/rmsnorm.py)
+        self.fuse_add_norm = self.device.type == "cuda"
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
-        # fewer per 32-layer step; same bytes, tests): on by default since session 13, when jet's decode
-        # step at batch 64 ran 5.22 ms with it against 5.29-5.30 ms without (H200, docs/benchmarks.md;
-        # session 4's variant was slower, 9.6 us per call vs 2.3 us). JETRL_NORM_QUANT=0 turns it off
-        self.fuse_norm_quant = os.environ.get("JETRL_NORM_QUANT", "1") != "0"
-        # ... also for the linears above small_m_max rows (cuBLAS's GEMM: batch 256, the prefill), with the
-        # scales column-major as scaled_mm reads them; the linear then runs the GEMM alone (same bytes as its
-        # own quantizer; on since session 15: jet at batch 256 stepped 11.47 ms with it vs 11.57 without on the
-        # H200, within the run-to-run spread but 64 launches fewer per step; JETRL_NORM_QUANT_CUBLAS=0 turns it off)
-        self.norm_quant_cublas = self.fuse_norm_quant and os.environ.get("JETRL_NORM_QUANT_CUBLAS", "1") != "0"
+        # fewer per 32-layer step; same bytes; docs/benchmarks.md, "Rollout"), for the small-M GEMM and for
+        # the linears above small_m_max rows (cuBLAS's GEMM: batch 256, the prefill; scales column-major as
+        # scaled_mm reads them): the linear then runs the GEMM alone. The tests turn these attributes off on
+        # a decoder to compare with the unfused path.
+        self.fuse_norm_quant = True
+        self.norm_quant_cublas = True
         # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
         # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
-        # (same bytes; JETRL_DEFER_SPLIT_SUM=0 turns it off)
-        self.defer_split_sum = (self.fuse_add_norm and self.cfg.tensor_model_parallel_size == 1
-                                and os.environ.get("JETRL_DEFER_SPLIT_SUM", "1") != "0")
+        # (same bytes)
+        self.defer_split_sum = self.fuse_add_norm and self.cfg.tensor_model_parallel_size == 1
         # decode steps' attention: SDPA over the bucket with a mask, or the exact-length Triton kernel
         # (CUDA, or Triton's CPU interpreter for the tests); prefill always runs SDPA
         if attention not in ("sdpa", "triton"):
             raise ValueError(f"StaticDecoder: attention={attention!r}; use 'sdpa' or 'triton'")
         self.triton_attn = attention == "triton" and (self.device.type == "cuda"
-                                                      or os.environ.get("TRITON_INTERPRET") == "1")
+                                                      or triton_interpreted())
         if attention == "triton" and not self.triton_attn:
             log.info("rollout decode: the Triton decode attention needs CUDA; using SDPA")
         if self.triton_attn:
-            from megatron_jetrl.rollout.triton_attn import default_splits
+            from megatron_jetrl.kernels.decode_attn import default_splits
 
             self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
         nl, dev = len(self.layers), self.device
@@ -204,13 +201,13 @@ class StaticDecoder:
         """A deferred split-K output summed (the GEMM's own sum kernel), shaped like ``like``."""
         if splits <= 1:
             return delta
-        from megatron_jetrl.precision.triton_gemm import sum_partials
+        from megatron_jetrl.kernels.triton_gemm import sum_partials
 
         return sum_partials(delta, torch.empty(like.shape, dtype=like.dtype, device=like.device))
 
     def _add_norm(self, h, delta, norm, consumer, splits: int = 1):
         """``h + delta`` (when given) and ``norm`` of it -> (h, x, xq). On CUDA with the one-kernel RMSNorm
-        (``models/norm.py``) the add and the norm are one kernel, and with ``fuse_norm_quant``, when
+        (``kernels/rmsnorm.py``) the add and the norm are one kernel, and with ``fuse_norm_quant``, when
         ``consumer`` is an FP8 linear about to run the small-M GEMM on x, x's 1x128 quantization too
         (``xq``: the bytes and scales the linear's own quantizer would compute); otherwise torch's add
         and the norm module."""
@@ -236,7 +233,7 @@ class StaticDecoder:
         megatron's interleaved order and copying q out of it)."""
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
-        if xq is not None:  # x's FP8 bytes from the fused norm (models/norm.py)
+        if xq is not None:  # x's FP8 bytes from the fused norm (kernels/rmsnorm.py)
             lin.prequantized_input = xq
         try:
             if (cache is None or cache.perm is None or not lin.fp8_active()
@@ -275,7 +272,7 @@ class StaticDecoder:
             kc.index_copy_(2, idx, k.permute(1, 2, 0, 3).to(kc.dtype))
             vc.index_copy_(2, idx, v.permute(1, 2, 0, 3).to(vc.dtype))
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
-            from megatron_jetrl.rollout.triton_attn import decode_attention
+            from megatron_jetrl.kernels.decode_attn import decode_attention
 
             out = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits)
             return out.view(1, b, self.heads * self.dim)

@@ -24,6 +24,8 @@ ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many ro
 
 
 class LocalEngine:
+    remote = False  # rollout.base.RolloutEngine: in process, on the trainer's model
+
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
                  model_cfg=None, decode: str = "static", cuda_graphs: bool = True,
                  bucket: int = RolloutConfig.decode_bucket, keep_cache: bool = True, attention: str = "sdpa",
@@ -36,6 +38,7 @@ class LocalEngine:
         self.model, self.fp8_state, self.pad_id, self.model_cfg = model, fp8_state, pad_id, model_cfg
         self.vocab_size = vocab_size
         self.weight_version = 0
+        self.metrics: dict = {}
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_parity: dict = {}
@@ -74,6 +77,14 @@ class LocalEngine:
                               attention=self.attention, max_graphs=self.max_graphs)
         self._decoder = d if self.keep_cache else None
         return d
+
+    @classmethod
+    def from_config(cls, model, fp8_state, cfg, pad_id: int) -> "LocalEngine":
+        """The engine ``rollout.engine=local`` builds over the trainer's model (``cfg``: the run's JetConfig)."""
+        r = cfg.rollout
+        return cls(model, fp8_state, pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size, model_cfg=cfg.model,
+                   decode=r.decode, cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=r.keep_decode_cache,
+                   attention=r.decode_attention, max_graphs=r.decode_max_graphs)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -231,9 +242,16 @@ class LocalEngine:
         self.last_parity = {"parity_checked": len(hashes), "parity_mismatch": len(bad)}
         return self.last_parity
 
-    def release_memory(self) -> None:
+    def push_weights(self, version: int, items, check_parity: bool = True, disk_push=None) -> dict:
+        """In process the weights are the trainer's own: nothing is pushed (``update_weights``)."""
+        raise NotImplementedError("the in-process engine runs the trainer's weights; use update_weights")
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the static decoder's KV cache and CUDA graphs (rebuilt by the next ``generate``)."""
         self._decoder = None
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: list[str] | None = None) -> None:
         pass
+
+    def shutdown(self) -> None:
+        self._decoder = None

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from megatron_jetrl import env
 from megatron_jetrl.rollout.sglang import MEMORY_TAGS, SGLANG_VERSION
 
 log = logging.getLogger("jetrl.serve")
@@ -645,7 +646,7 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model-path", required=True, help="HF directory (BF16, or block FP8 with quantization_config)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--admin-api-key", default=os.environ.get("JETRL_ADMIN_API_KEY"),
+    ap.add_argument("--admin-api-key", default=env.admin_api_key(),
                     help="required when --host is not loopback; guards weight/memory endpoints (env JETRL_ADMIN_API_KEY)")
     ap.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--backend", default="auto", choices=["auto", "scaled_mm", "emulated"])

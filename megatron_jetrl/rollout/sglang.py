@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megatron_jetrl.env import snapshot
 from megatron_jetrl.distributed import free_port
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
@@ -299,7 +300,7 @@ def server_env() -> dict:
     """The environment a rollout server is started with (by a trainer rank or by ``jetrl launch``): this
     process's, without the torch launcher's rank/rendezvous variables (``_LAUNCHER_VARS``,
     ``TORCHELASTIC_*``), unbuffered output."""
-    env = dict(os.environ)
+    env = snapshot()
     for k in list(env):
         if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_"):
             del env[k]
@@ -388,6 +389,8 @@ def _tail(path: Optional[str], n: int = 1) -> str:
 
 class RolloutFleet:
     """N servers behind the rollout-engine interface (generate / push weights / release / resume)."""
+
+    remote = True  # rollout.base.RolloutEngine: weights pushed, memory released and resumed
 
     def __init__(self, cfg, recipe, run_dir: str, model_dir: Optional[str], colocated: bool, trainer_gpus: int = 0):
         self.cfg, self.recipe, self.run_dir, self.colocated = cfg, recipe, run_dir, colocated
@@ -604,7 +607,7 @@ class RolloutFleet:
         with ThreadPoolExecutor(max(1, len(servers))) as ex:
             out = list(ex.map(call, servers))
         if tolerate and servers and not any(s.up for s in servers):
-            raise ServerError(f"no rollout server is up (see rollout_logs/ in the run directory)")
+            raise ServerError("no rollout server is up (see rollout_logs/ in the run directory)")
         return out
 
     def _push_tensor(self, up: list[Server], version: int, items) -> int:
@@ -711,3 +714,28 @@ class RolloutFleet:
 
     def update_weights(self, version: int, hashes=None) -> dict:  # RolloutEngine protocol (in-process form)
         raise NotImplementedError("the fleet receives weights through push_weights")
+
+
+def start_fleet(cfg, recipe, model_dir: str) -> "RolloutFleet":
+    """Rank 0 launches (or attaches to) the servers of ``cfg.rollout``; every other rank attaches to the same
+    URLs. ``model_dir``: the HF directory the servers start from."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.distributed import is_rank0
+
+    urls = [None]
+    if is_rank0():
+        fleet = RolloutFleet(cfg, recipe, cfg.logging.run_dir, model_dir, cfg.scheduler.mode == "colocated",
+                             trainer_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        fleet.start()
+        urls = [fleet.urls]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(urls, src=0)
+    if not is_rank0():
+        import dataclasses
+
+        attached = dataclasses.replace(cfg.rollout, server_addresses=urls[0])
+        fleet = RolloutFleet(dataclasses.replace(cfg, rollout=attached), recipe, cfg.logging.run_dir, None, False)
+        for srv in fleet.servers:
+            srv.up = True
+    return fleet

@@ -62,11 +62,11 @@ def _is_exporter(expert: bool) -> bool:
 def _te_parts(name: str, module, param) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A TE FP8 parameter's bytes and scales as the (fp8, scale_inv) of each logical sub-matrix in
     rollout (HF) row order: whole 128-row blocks moved, nothing re-quantized."""
-    from megatron_jetrl.precision.linear import _layout
+    from megatron_jetrl.precision.linear import weight_layout
     from megatron_jetrl.precision.te_backend import TE_BLOCK, block_rows_permute, te_weight_bytes
 
     q, s = te_weight_bytes(param)
-    sub, perm = _layout(name, module, module.config)
+    sub, perm = weight_layout(name, module, module.config)
     if perm is not None:
         q, s = block_rows_permute(q, s, perm.to(q.device))
     out, row = [], 0

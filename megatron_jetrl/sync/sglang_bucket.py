@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megatron_jetrl.sync.transport import DEFAULT_BUCKET_BYTES, bucketize, nbytes, tensor_hash
+from megatron_jetrl.sync.transport import DEFAULT_BUCKET_BYTES, aligned_order, bucketize, nbytes, tensor_hash
 
 
 def sglang_bucket_class():
@@ -38,11 +38,6 @@ def sglang_bucket_class():
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
         return module.FlattenedTensorBucket
-
-
-def aligned_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Largest element size first: every offset is then a multiple of each later element size."""
-    return sorted(bucket, key=lambda nt: -nt[1].element_size())
 
 
 class SGLangTensorBucketTransport:

@@ -50,6 +50,11 @@ def is_fp8_payload(name: str, t: torch.Tensor) -> bool:
     return t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")
 
 
+def aligned_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Largest element size first: every offset is then a multiple of each later element size."""
+    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+
+
 def bucketize(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors in order into buckets of at most ``bucket_bytes``. A single tensor larger than
     that (an 8B model's 1 GB embedding vs the 512 MiB default) travels alone in its own bucket: the
@@ -190,8 +195,6 @@ class BroadcastTransport:
     def push(self, version: int, items: Iterable[tuple[str, torch.Tensor]]) -> dict:
         t0 = time.perf_counter()
         hashes, total = {}, 0
-        from megatron_jetrl.sync.sglang_bucket import aligned_order
-
         for bucket in bucketize(items, self.bucket_bytes):
             bucket = aligned_order(bucket)  # every tensor at an offset aligned to its element size
             meta = [(n, list(t.shape), str(t.dtype)) for n, t in bucket]

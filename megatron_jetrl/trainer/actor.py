@@ -61,7 +61,7 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], response_l
 
 
 def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                                with_entropy: bool, entropy_grad: bool = True
+                                with_entropy: bool, entropy_grad: bool = True, fused: Optional[bool] = None
                                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log p(label) under softmax(logits / T) and the entropy, with the vocabulary split over TP
     ranks (megatron-core's vocab-parallel cross entropy; entropy from all-reduced partial sums).
@@ -70,12 +70,13 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     autograd before the cross entropy consumes ``z`` in place, so neither a second fp32 copy of the
     [tokens x vocab] logits nor the exp() of it is kept for backward (several GB per micro-batch
     at a 128K vocabulary). On CUDA both come from ``fused_logp.fused_logp_entropy`` (one Triton kernel
-    over the bf16 logits each way, no fp32 copy); this eager path is the CPU one and the reference."""
+    over the bf16 logits each way, no fp32 copy); this eager path is the CPU one and the reference
+    (``fused=False``; None: the fused kernels wherever they run)."""
     from megatron.core import tensor_parallel
 
-    from megatron_jetrl.trainer.fused_logp import fused_enabled, fused_logp_entropy
+    from megatron_jetrl.kernels.fused_logp import fused_enabled, fused_logp_entropy
 
-    if fused_enabled(logits):  # CUDA: one kernel forward, one backward, no fp32 logits (fused_logp.py)
+    if fused_enabled(logits) if fused is None else fused:  # CUDA: one kernel forward, one backward, no fp32 logits (fused_logp.py)
         logp, entropy = fused_logp_entropy(logits, labels, temperature)
         if not with_entropy:
             return logp, None
@@ -200,7 +201,7 @@ def _fp8_wgrad_fusion(state: FP8ModelState) -> str:
         return "unfused (precision.fuse_wgrad_accumulation=false)"
     backend = getattr(state, "backend", state.requested_backend)
     if backend == "scaled_mm":
-        from megatron_jetrl.precision import cublaslt
+        from megatron_jetrl.kernels import cublaslt
 
         ok, why = cublaslt.available()
         return "fused (cuBLASLt, beta = 1)" if ok else f"unfused ({why})"

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from megatron_jetrl.precision.layout import qkv_permutation  # noqa: F401  (re-exported)
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -113,20 +115,6 @@ def hf_names(rule: Rule, idx: dict) -> list[str]:
 
 
 # ---- tensor transforms (dims from the model description) -----------------------------------
-
-def qkv_permutation(rows: int, heads_per_group: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
-    """Row order of Megatron's fused QKV (per query group g: g's q rows, its k rows, its v rows)
-    -> [q; k; v] (HF / SGLang ``qkv_proj`` order): ``fused[perm]`` is [q; k; v], with the q, k, v
-    row counts returned alongside. The one statement of this layout: the name tables and the FP8
-    weight cache (precision/linear.py) both use it."""
-    group = (heads_per_group + 2) * head_dim
-    groups = rows // group
-    idx = torch.arange(rows).view(groups, group)
-    qd = heads_per_group * head_dim
-    perm = torch.cat([idx[:, :qd].reshape(-1), idx[:, qd:qd + head_dim].reshape(-1),
-                      idx[:, qd + head_dim:].reshape(-1)])
-    return perm, [groups * qd, groups * head_dim, groups * head_dim]
-
 
 def _qkv_split(fused: torch.Tensor, heads_per_group: int, head_dim: int) -> list[torch.Tensor]:
     perm, sizes = qkv_permutation(fused.shape[0], heads_per_group, head_dim)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from megatron_jetrl import env
+
 LIB_NAME = "libjetrl_deepgemm_sm90.so"
-ENV_DIR = "JETRL_DEEPGEMM_DIR"
+ENV_DIR = env.DEEPGEMM_DIR
 
 
 class DeepGemmUnavailable(RuntimeError):
@@ -53,7 +54,7 @@ def _lib(directory: str) -> ctypes.CDLL:
         raise DeepGemmUnavailable(f"{ENV_DIR}={directory} holds no {LIB_NAME} and include/deep_gemm; "
                                   "build it with tools/build_deepgemm_sm90.py --out DIR")
     # kernels built ahead of time (build_deepgemm_sm90.py --precompile*) are in DIR/cache; new ones JIT there
-    os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(d))
+    env.set_default("TRTLLM_DG_CACHE_DIR", str(d))
     torch.cuda.init()  # the process's libcudart and libcuda first
     _preload_global(["libcuda.so.1"], "libcuda.so.1")
     lib = ctypes.CDLL(str(lib_path))
@@ -68,7 +69,7 @@ def _lib(directory: str) -> ctypes.CDLL:
 
 def available(device: torch.device) -> tuple[bool, str]:
     """(available, reason): a Hopper GPU (sm_90; DeepGEMM's kernels are wgmma-only) and a built library."""
-    directory = os.environ.get(ENV_DIR)
+    directory = env.deepgemm_dir()
     if not directory:
         return False, f"{ENV_DIR} is unset (build with tools/build_deepgemm_sm90.py)"
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -97,7 +98,7 @@ def gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor)
     """``(a * a_s) @ (b * b_s)^T`` in BF16; check :func:`takes` first. ``a_s`` [M, K/128] is read M-major
     with M padded to 4 (the kernel's TMA alignment): a column-major ``a_s`` with M % 4 == 0 is used in place,
     anything else copied once into that layout."""
-    lib = _lib(os.environ[ENV_DIR])
+    lib = _lib(env.deepgemm_dir())
     M, K = a.shape
     N = b.shape[0]
     kg = K // 128

@@ -21,16 +21,13 @@ cuBLAS ``scaled_mm`` above it. Runs under ``TRITON_INTERPRET=1`` on CPU (the tes
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.triton_quant import _scale_and_multiplier
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
 
 
 @triton.jit
@@ -39,8 +36,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
                     inv_max, fmax, eps, out_ptr, lock_ptr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
                     PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
-                    TMA: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                    TMA: tl.constexpr):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -65,7 +61,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-            x_scale, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+            x_scale, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
             xq = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
         if STORE_Q:  # for tests: the quantized activations, to compare with quant.quantize_act
             if pid_n == 0:
@@ -104,9 +100,8 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
 
 
 @triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum over the split-K partials in a fixed order (deterministic, unlike atomics)."""
-    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -115,14 +110,14 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch-plan switches (measured on the H200 with the weights cycled past L2, docs/benchmarks.md;
-# ``small_m_linear``'s ``swap``/``tma`` arguments override them per call). The swapped layout computes
+# Launch plan (measured on the H200 with the weights cycled past L2, docs/benchmarks.md;
+# ``small_m_linear``'s ``swap``/``tma`` arguments override it per call). The swapped layout computes
 # y^T = W x^T per tile, so the weight rows, not the few tokens, fill the tensor core's wide side: 1-4%
 # faster at M=16, slower from M=64 (2x at M=256), so it is used up to SWAP_MAX_M rows. TMA streams the
 # FP8 tiles (weight, pre-quantized x) with the bulk tensor copy engine instead of per-thread loads: 2-13%
-# faster at M=64 and 256, never slower. JETRL_SMALL_M_SWAP=0/1 and JETRL_SMALL_M_TMA=0 override.
-SWAP_MAX_M = {"0": 0, "1": 1 << 30}.get(os.environ.get("JETRL_SMALL_M_SWAP", ""), 16)
-USE_TMA = os.environ.get("JETRL_SMALL_M_TMA", "1") == "1"
+# faster at M=64 and 256, never slower.
+SWAP_MAX_M = 16
+USE_TMA = True
 
 
 def _tma_ok(q: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -190,7 +185,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     the activation is SwiGLU(x), quantized by the fused SwiGLU quantizer (same bytes as SwiGLU then
     the quantizer; always pre-quantized). ``xq``: x's activation bytes and row-major scales
     (``quantize_act``'s) computed by the op that produced x (the decoder's fused add + RMSNorm +
-    quantizer, ``models/norm.py``); used as given. ``fused_sum``: with split-K, the last program of
+    quantizer, ``kernels/rmsnorm.py``); used as given. ``fused_sum``: with split-K, the last program of
     each output tile sums the fp32 partials in split order (a per-tile counter), instead of a second
     kernel; the same order, so the same bytes either way. Off by default: on the H200 it saved the
     second kernel's launches but the GEMM's own time grew more (8B decode step at batch 64: 2.93 ms
@@ -217,12 +212,12 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
             raise ValueError(f"small_m_linear: pre-quantized input {tuple(q.shape)} / {tuple(s.shape)} "
                              f"(scale strides {tuple(s.stride())}) does not match x [{M}, {K}] with row-major scales")
     elif swiglu:
-        from megatron_jetrl.precision.triton_quant import swiglu_quant_triton
+        from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
 
         prequant = True
         q, s = swiglu_quant_triton(x2, recipe)
     elif prequant:
-        from megatron_jetrl.precision.triton_quant import quantize_act_triton
+        from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 
         q, s = quantize_act_triton(x2, recipe)
     else:
@@ -244,8 +239,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                               recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
                               BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
                               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
-                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps,
-                              **pdl_kwargs(x.device))
+                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps)
         if split > 1 and locks is None:
             if return_partials:
                 return part, split
@@ -260,5 +254,5 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out [M, N] = sum_s part[s]`` in split order (fp32), written in ``out``'s dtype."""
     split, MN = part.shape[0], part[0].numel()
     block = 1024
-    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block, **pdl_kwargs(out.device))
+    _split_sum_kernel[(triton.cdiv(MN, block),)](part, out, MN, SPLIT=split, BLOCK=block)
     return out

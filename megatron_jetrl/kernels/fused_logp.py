@@ -17,14 +17,14 @@ the H200, ~10 ms per micro-batch in both training precisions. Here:
 
 On CUDA the per-row passes are Triton kernels; elsewhere the same statistics in torch (the CPU path
 of the tests, and TP over gloo). ``trainer.actor.vocab_parallel_logp_entropy`` uses this on CUDA
-(``JETRL_FUSED_LOGP=0``: megatron's path), megatron's path on CPU.
+(``fused=False``: megatron's path), megatron's path on CPU.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
+from megatron_jetrl.env import triton_interpreted
 
 try:
     import triton
@@ -103,7 +103,7 @@ if triton is not None:
 
 def _use_triton(x: torch.Tensor) -> bool:
     """The kernels on CUDA, and on CPU tensors under Triton's interpreter (the CPU tests)."""
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (x.is_cuda or triton_interpreted())
 
 
 def _local_stats(x: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_start: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _local_stats(x: torch.Tensor, labels: torch.Tensor, temperature: float, voca
         out = torch.empty((4, T), dtype=torch.float32, device=x.device)
         if T:
             _stats_kernel[(T,)](x, labels, out, V, x.stride(0), float(temperature), vocab_start, BLOCK_V=2048,
-                                LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+                                LIBDEVICE_EXP=not triton_interpreted(), num_warps=8)
         return out
     z = x.float() / temperature
     m = z.max(-1).values
@@ -133,7 +133,7 @@ def _logits_grad(x, labels, lse, ez, g_logp, g_ent, temperature, vocab_start) ->
             has_ent = g_ent is not None
             _grad_kernel[(T,)](x, labels, lse, ez, g_logp, g_ent if has_ent else g_logp, dx, V, x.stride(0),
                                dx.stride(0), float(temperature), vocab_start, BLOCK_V=2048, HAS_ENT=has_ent,
-                               LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+                               LIBDEVICE_EXP=not triton_interpreted(), num_warps=8)
         return dx
     z = x.float() / temperature
     p = torch.exp(z - lse[:, None])
@@ -191,5 +191,5 @@ def fused_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: 
 
 
 def fused_enabled(logits: torch.Tensor) -> bool:
-    """The fused path is the default on CUDA (``JETRL_FUSED_LOGP=0`` turns it off)."""
-    return logits.is_cuda and triton is not None and os.environ.get("JETRL_FUSED_LOGP", "1") != "0"
+    """The fused path is the default on CUDA."""
+    return logits.is_cuda and triton is not None

@@ -8,20 +8,19 @@ round-to-nearest-even with saturation at 448.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
-from megatron_jetrl.precision.quant import transposed_outputs
+from megatron_jetrl.kernels.layout import act_outputs, rows_2d, transposed_outputs
 from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.env import triton_interpreted
 
 
 @triton.jit
-def _scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
+def scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
     """The recipe's rule per group: (scale_inv, multiplier applied before the E4M3 cast)."""
     if UE8M0:
         y = amax * inv_max
@@ -36,41 +35,23 @@ def _scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
+def quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
                            eps, UE8M0: tl.constexpr):
     """Quantize the fp32 tile ``x`` [rows, one G-wide group g] with one scale per row; store the
     E4M3 bytes and the scale_inv."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale_inv, mask=rows < M)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., C]`` as a 2-D [rows, C] tensor with unit column stride (the layout the kernels index)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: bool):
-    """Empty (q [M, K], scale_inv [M, groups]) for a 1xG quantizer; column-major scales (strides
-    (1, M)) when asked, the form ``scaled_mm`` wants."""
-    ng = triton.cdiv(K, recipe.group_size)
-    q = torch.empty((M, K), dtype=recipe.dtype, device=device)
-    s = (torch.empty((ng, M), dtype=torch.float32, device=device).t() if scale_col_major
-         else torch.empty((M, ng), dtype=torch.float32, device=device))
-    return q, s, ng
-
-
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      UE8M0: tl.constexpr, NG: tl.constexpr = 1, STREAM: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      UE8M0: tl.constexpr, NG: tl.constexpr = 1, STREAM: tl.constexpr = False):
     # One program: BLOCK_M rows x NG consecutive G-wide groups (one scale per row and group); STREAM
     # (NG > 1 only) loads x with the evict-first cache hint.
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     g0 = tl.program_id(1) * NG
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,7 +59,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
         cols = g0 * G + tl.arange(0, G)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        _quantize_store_groups(x, rows, cols, mask, g0, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max,
+        quantize_store_groups(x, rows, cols, mask, g0, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max,
                                fmax, eps, UE8M0)
     else:
         cols = g0 * G + tl.arange(0, NG * G)
@@ -90,7 +71,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x3 = tl.reshape(x, (BLOCK_M, NG, G))
         amax = tl.maximum(tl.max(tl.abs(x3), axis=2), eps)  # [BLOCK_M, NG], the same max per group
-        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+        scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
         q = tl.reshape(tl.clamp(x3 * mult[:, :, None], -fmax, fmax), (BLOCK_M, NG * G)).to(tl.float8e4nv)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
         gs = g0 + tl.arange(0, NG)
@@ -100,23 +81,23 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
 
 def act_quant_plan(M: int, K: int) -> tuple[int, int, int, int]:
     """(rows per program, G-wide groups per program, warps, evict-first loads) of the 1xG quantizer,
-    from the H200 sweep ``tools/tune_act_quant.py`` (docs/benchmarks.md);
-    ``JETRL_ACT_QUANT_PLAN=rows,groups,warps[,stream]`` overrides."""
-    env = os.environ.get("JETRL_ACT_QUANT_PLAN")
-    if env:
-        try:
-            v = [int(t) for t in env.split(",")]
-        except ValueError:
-            v = []
-        pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-        if len(v) not in (3, 4) or not (pow2(v[0]) and pow2(v[1]) and v[2] in (1, 2, 4, 8, 16)):
-            raise ValueError(f"JETRL_ACT_QUANT_PLAN={env!r}: expected rows,groups,warps[,stream] with rows and groups "
-                             f"powers of two and warps in 1/2/4/8/16, e.g. 8,8,8")
-        return v[0], v[1], v[2], (v[3] if len(v) > 3 else 0)
+    from the H200 sweep ``tools/tune_act_quant.py`` (docs/benchmarks.md); ``quantize_act_triton(plan=...)``
+    takes another (checked by :func:`check_act_quant_plan`)."""
     # 8 rows x 8 groups (1024 columns), 8 warps: within 1% of the best plan at every training shape
     # swept (M 4096-16384, K 4096-28672; 4.0-4.2 TB/s) and 3-6% faster than one group per program. Below
     # 1024 rows (decode, short prefill) more, smaller programs: 4 rows x 1 group, 4 warps.
     return (8, 8, 8, 0) if M >= 1024 else (4, 1, 4, 0)
+
+
+def check_act_quant_plan(plan: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A launch plan (rows, groups, warps[, stream]) of the 1xG quantizer, refused with one line unless rows and
+    groups are powers of two and warps one of 1/2/4/8/16 (a bad plan would fail later as a Triton compile error)."""
+    v = list(plan)
+    pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
+    if len(v) not in (3, 4) or not (pow2(v[0]) and pow2(v[1]) and v[2] in (1, 2, 4, 8, 16)):
+        raise ValueError(f"activation quantizer plan {tuple(plan)!r}: expected (rows, groups, warps[, stream]) with "
+                         f"rows and groups powers of two and warps in 1/2/4/8/16, e.g. (8, 8, 8)")
+    return v[0], v[1], v[2], (v[3] if len(v) > 3 else 0)
 
 
 def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
@@ -125,17 +106,16 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     scales out as [M, groups] with strides (1, M), the form ``scaled_mm`` wants. ``plan`` = (rows,
     groups, warps[, stream]) per program instead of ``act_quant_plan``'s (same bytes for every plan)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     M, G = x2.shape[0], recipe.group_size
-    q, s, ng = _act_outputs(M, K, recipe, x.device, scale_col_major)
+    q, s, ng = act_outputs(M, K, recipe, x.device, scale_col_major)
     if M:
-        block_m, groups, warps, *stream = plan or act_quant_plan(M, K)
+        block_m, groups, warps, *stream = check_act_quant_plan(plan) if plan else act_quant_plan(M, K)
         grid = (triton.cdiv(M, block_m), triton.cdiv(ng, groups))
         _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                 BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", NG=groups,
-                                STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps,
-                                **pdl_kwargs(x.device))
+                                STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps)
     if scale_col_major:
         return q.view(*lead, K), s
     return q.view(*lead, K), s.view(*lead, ng)
@@ -162,7 +142,7 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
         amax = tl.full((G,), 0.0, tl.float32) + amax
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)  # per column c
-    scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
     q = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
     if TRANSPOSE:
         tl.store(q_ptr + cols[None, :] * stride_qc + rows[:, None], q, mask=mask)
@@ -244,10 +224,9 @@ def _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16: tl.constexpr
 @triton.jit
 def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
                          inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr = False):
+                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
     torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -256,7 +235,7 @@ def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride
     a = _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16, LIBDEVICE_EXP)
     if ROUND_BF16:
         a = a.to(tl.bfloat16).to(tl.float32)
-    _quantize_store_groups(a, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
+    quantize_store_groups(a, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
                            eps, UE8M0)
 
 
@@ -268,16 +247,16 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
     if y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"swiglu_quant_triton: bf16 or fp32 input expected, got {y.dtype}")
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2 = _rows(y)
+    y2 = rows_2d(y)
     M, F, G = y2.shape[0], F2 // 2, recipe.group_size
-    q, s, ng = _act_outputs(M, F, recipe, y.device, scale_col_major)
+    q, s, ng = act_outputs(M, F, recipe, y.device, scale_col_major)
     if M:
         block_m = 16 if M >= 4096 else 4
         _swiglu_quant_kernel[(triton.cdiv(M, block_m), ng)](
             y2, q, s, M, F, y2.stride(0), q.stride(0), s.stride(0), s.stride(1), 1.0 / recipe.fp8_max,
             recipe.fp8_max, recipe.amax_eps, G=G, BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0",
-            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
-            num_warps=4, **pdl_kwargs(y.device))
+            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(),
+            num_warps=4)
     if scale_col_major:
         return q.view(*lead, F), s
     return q.view(*lead, F), s.view(*lead, ng)
@@ -304,14 +283,14 @@ def swiglu_triton(y: torch.Tensor) -> torch.Tensor:
     if y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"swiglu_triton: bf16 or fp32 input expected, got {y.dtype}")
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2 = _rows(y)
+    y2 = rows_2d(y)
     M, F = y2.shape[0], F2 // 2
     a = torch.empty((M, F), dtype=y.dtype, device=y.device)
     if M and F:
         block_m, block_f = 4, 512
         _swiglu_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, a, M, F, y2.stride(0), a.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
-            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(),
             num_warps=4, enable_fp_fusion=False)
     return a.view(*lead, F)
 
@@ -347,58 +326,24 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     ``silu(gate) * up`` in one pass (read y and da once, write dy once) instead of ~12 eager fp32 ops,
     a cat and their temporaries. Same fp32 arithmetic as ``quant.swiglu_backward`` (no FMA)."""
     lead, F2 = y.shape[:-1], y.shape[-1]
-    y2, da2 = _rows(y), _rows(da)
+    y2, da2 = rows_2d(y), rows_2d(da)
     M, F = y2.shape[0], F2 // 2
     dy = torch.empty((M, F2), dtype=y.dtype, device=y.device)
     if M and F:
         block_m, block_f = 4, 512
         _swiglu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, da2, dy, M, F, y2.stride(0), da2.stride(0), dy.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
-            LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4, enable_fp_fusion=False)
+            LIBDEVICE_EXP=not triton_interpreted(), num_warps=4, enable_fp_fusion=False)
     return dy.view(*lead, F2)
 
 
 @triton.jit
-def _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G: tl.constexpr,
-                SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
-    """fp32 values of the gradient ``d`` at [rows, cols]: loaded, or (SWIGLU_BWD) computed as
-    ``_swiglu_bwd_kernel`` computes it from fc1's output [gate | up] and ``da`` (the same operations in the
-    same order; no FMA: see the launch), rounded to the BF16 gradient's bytes when ROUND_BF16."""
-    if SWIGLU_BWD:
-        c0 = pid_n * G  # this tile's first column of gate/up/da: dgate below F, dup from F on
-        if c0 >= F:
-            c0 -= F
-        c = c0 + tl.arange(0, G)  # offsets the compiler sees as contiguous (cols % F would hide that)
-        base = x_ptr + rows[:, None] * stride_xm + c[None, :]
-        gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        da = tl.load(da_ptr + rows[:, None] * stride_dam + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LIBDEVICE_EXP:
-            e = libdevice.exp(-gate)
-        else:
-            e = tl.exp(-gate)
-        sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
-        if pid_n * G < F:
-            up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
-            d = da * up * sig * (1.0 + gate * (1.0 - sig))
-        else:
-            d = da * gate * sig
-        if ROUND_BF16:
-            d = d.to(tl.bfloat16).to(tl.float32)
-    else:
-        d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return d
-
-
-@triton.jit
-def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, stride_xm, stride_dam, stride_qrm,
+def _dual_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, stride_xm, stride_qrm,
                        stride_srm, stride_srg, stride_qtn, stride_stn, inv_max, fmax, eps, G: tl.constexpr,
-                       RB: tl.constexpr, UE8M0: tl.constexpr, SWIGLU_BWD: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       LIBDEVICE_EXP: tl.constexpr):
+                       RB: tl.constexpr, UE8M0: tl.constexpr):
     """One [G tokens, G columns] tile of a gradient ``d`` [M, N], quantized both ways the backward needs:
     1xG groups along N (dgrad; ``qr`` [M, N], ``sr``) and 1xG groups along the tokens, stored transposed
-    (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` comes from memory once instead of twice. SWIGLU_BWD:
-    ``d`` is computed from fc1's output ``x`` = [gate | up] [M, 2F] and ``da`` [M, F] (N = 2F, F a multiple of
-    G; ``_grad_chunk``), so fc1's BF16 output gradient is never written. RB < G: the tile is walked in
+    (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` comes from memory once instead of twice. RB < G: the tile is walked in
     RB-row chunks twice (row groups and column amax, then the column quantization from values re-read
     while they sit in L2), holding an RB x G chunk in registers instead of the whole tile."""
     pid_m = tl.program_id(0)
@@ -407,12 +352,11 @@ def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, s
     if RB == G:
         rows = pid_m * G + tl.arange(0, G)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD, ROUND_BF16,
-                        LIBDEVICE_EXP)
-        _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
+        d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
                                inv_max, fmax, eps, UE8M0)
         amax = tl.maximum(tl.max(tl.abs(d), axis=0), eps)  # per column, over this tile's G tokens
-        scale_inv, mult = _scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+        scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
         q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
         tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
     else:
@@ -420,54 +364,26 @@ def _dual_quant_kernel(x_ptr, da_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, F, s
         for i in tl.static_range(G // RB):
             rows = pid_m * G + i * RB + tl.arange(0, RB)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
-            d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD,
-                            ROUND_BF16, LIBDEVICE_EXP)
-            _quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm,
+            d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm,
                                    stride_srg, inv_max, fmax, eps, UE8M0)
             camax = tl.maximum(camax, tl.max(tl.abs(d), axis=0))
-        scale_inv, mult = _scale_and_multiplier(tl.maximum(camax, eps), inv_max, fmax, UE8M0)
+        scale_inv, mult = scale_and_multiplier(tl.maximum(camax, eps), inv_max, fmax, UE8M0)
         for i in tl.static_range(G // RB):
             rows = pid_m * G + i * RB + tl.arange(0, RB)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
-            d = _grad_chunk(x_ptr, da_ptr, rows, cols, mask, pid_n, F, stride_xm, stride_dam, G, SWIGLU_BWD,
-                            ROUND_BF16, LIBDEVICE_EXP)
+            d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
             tl.store(qt_ptr + cols[None, :] * stride_qtn + rows[:, None], q, mask=mask)
     tl.store(st_ptr + cols * stride_stn + pid_m, scale_inv, mask=cols < N)
 
 
-def dual_quant_plan(swiglu_bwd: bool) -> tuple[int, int]:
-    """(rows per register chunk, warps) of the dual gradient quantizer, for a plain gradient or fc1's from
-    the SwiGLU backward; ``JETRL_DUAL_QUANT_PLAN=rows,warps`` (both) or ``rows,warps/rows,warps`` (plain /
-    SwiGLU) overrides, rows a power of two dividing the group size."""
-    env = os.environ.get("JETRL_DUAL_QUANT_PLAN")
-    if env:
-        parts = env.split("/")
-        try:
-            rb, nw = (int(t) for t in parts[min(int(swiglu_bwd), len(parts) - 1)].split(","))
-        except ValueError:
-            rb = nw = 0
-        if len(parts) > 2 or not (rb > 0 and rb & (rb - 1) == 0 and rb <= 128 and nw in (1, 2, 4, 8, 16)):
-            raise ValueError(f"JETRL_DUAL_QUANT_PLAN={env!r}: expected rows,warps[/rows,warps] with rows a power of "
-                             f"two <= 128 and warps in 1/2/4/8/16, e.g. 32,4/64,8")
-        return rb, nw
-    # H200 sweep (tools/tune_dual_quant.py, docs/benchmarks.md): the whole 128x128 tile in registers; 4 warps for
-    # a plain gradient (1.25-1.28x the two separate quantizers at 4096 x 4096 / 6144), 8 for the SwiGLU form
-    return (128, 8) if swiglu_bwd else (128, 4)
-
-
-def _dual_launch(x, da, M, N, F, recipe: FP8Recipe, scale_col_major: bool, swiglu_bwd: bool, plan=None, pad_to=0):
-    G = recipe.group_size
-    qr, sr, _ = _act_outputs(M, N, recipe, x.device, scale_col_major)
-    qt, st = transposed_outputs(N, M, N, recipe, x.device, pad_to)
-    if M and N:
-        rb, warps = plan or dual_quant_plan(swiglu_bwd)
-        _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
-            x, da, qr, sr, qt, st, M, N, F, x.stride(0), da.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
-            qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, RB=min(rb, G),
-            UE8M0=recipe.scale_fmt == "ue8m0", SWIGLU_BWD=swiglu_bwd, ROUND_BF16=x.dtype == torch.bfloat16,
-            LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, enable_fp_fusion=False)
-    return qr, sr, qt, st
+def dual_quant_plan() -> tuple[int, int]:
+    """(rows per register chunk, warps) of the dual gradient quantizer; ``quantize_dual_triton(plan=...)`` takes
+    another (``tools/tune_dual_quant.py`` sweeps them): rows a power of two <= 128, warps in 1/2/4/8/16."""
+    # H200 sweep (tools/tune_dual_quant.py, docs/benchmarks.md): the whole 128x128 tile in registers, 4 warps
+    # (1.25-1.28x the two separate quantizers at 4096 x 4096 / 6144)
+    return 128, 4
 
 
 def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False, plan=None,
@@ -477,22 +393,19 @@ def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bo
     bytes and scales) in one pass over ``d``."""
     d = d if d.stride(-1) == 1 else d.contiguous()
     M, N = d.shape
-    return _dual_launch(d, d, M, N, N, recipe, scale_col_major, swiglu_bwd=False, plan=plan, pad_to=pad_to)
-
-
-def swiglu_backward_dual_triton(y: torch.Tensor, da: torch.Tensor, recipe: FP8Recipe, scale_col_major: bool = False,
-                                plan=None, pad_to: int = 0):
-    """``quantize_dual_triton(swiglu_backward_triton(y, da))`` without writing the gradient: fc1's output
-    ``y`` [M, 2F] and ``da`` [M, F] -> fc1's dgrad and wgrad operands (the same bytes and scales).
-    Needs F to be a multiple of the group size (the two halves do not share a group)."""
-    y = y if y.stride(-1) == 1 else y.contiguous()
-    da = da if da.stride(-1) == 1 else da.contiguous()
-    M, F2 = y.shape
-    F = F2 // 2
-    if F % recipe.group_size or da.shape != (M, F):
-        raise ValueError(f"swiglu_backward_dual_triton: y [M, 2F] with F a multiple of {recipe.group_size} and "
-                         f"da [M, F] expected, got {tuple(y.shape)} and {tuple(da.shape)}")
-    return _dual_launch(y, da, M, F2, F, recipe, scale_col_major, swiglu_bwd=True, plan=plan, pad_to=pad_to)
+    G = recipe.group_size
+    qr, sr, _ = act_outputs(M, N, recipe, d.device, scale_col_major)
+    qt, st = transposed_outputs(N, M, N, recipe, d.device, pad_to)
+    if M and N:
+        rb, warps = plan or dual_quant_plan()
+        if not (rb > 0 and rb & (rb - 1) == 0 and rb <= 128 and warps in (1, 2, 4, 8, 16)):
+            raise ValueError(f"dual quantizer plan {(rb, warps)!r}: expected (rows, warps) with rows a power of two "
+                             f"<= 128 and warps in 1/2/4/8/16, e.g. (128, 4)")
+        _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
+            d, qr, sr, qt, st, M, N, d.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
+            qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, RB=min(rb, G),
+            UE8M0=recipe.scale_fmt == "ue8m0", num_warps=warps, enable_fp_fusion=False)
+    return qr, sr, qt, st
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from megatron_jetrl.precision.gemm import _col_major, contraction_multiple
+from megatron_jetrl.kernels.layout import col_major as _col_major, contraction_multiple
 
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68

@@ -1,7 +1,7 @@
 """Decode attention over the static decoder's KV cache, to the exact length (CUDA; Triton).
 
 The static decoder's SDPA attention reads the KV cache up to the next length-bucket edge (one CUDA
-graph per bucket, 64 keys by default, 256 until session 16) with an additive mask: on average half a bucket of keys more
+graph per bucket, 64 keys by default) with an additive mask: on average half a bucket of keys more
 than the step needs, and one graph per bucket. This kernel reads the number of keys from the step's
 position tensor on the device, so one captured graph serves every length and a step reads keys
 ``0..pos`` only; validity (left-pad keys of shorter prompts) comes from the decoder's ``key_ok`` row,
@@ -17,14 +17,11 @@ split order (deterministic). Splits divide ``0..pos`` at run time, so they stay 
 length; the decoder asks for splits only when rows x groups leave SMs idle (small batches, long
 contexts).
 
-Opt-in (``rollout.decode_attention=triton``). On the H200 (docs/benchmarks.md, session 15;
-``tools/attn_decode_bench.py``, part ``decattn`` of ``tools/device_check.sh``) the default plan (64-key
-tiles, 2 stages, 4 warps, no split) ran 1.17x cuDNN's SDPA over the 256-key bucket at 640 keys and equal
-at 1000 (batch 64 and 256, 3.7-4.2 TB/s of K/V), and the 8B rollout took 4-5.5% less time in both modes;
-but the train-rollout mismatch of an RL step rose by about a quarter (its rounding is independent of the
-cuDNN attention the trainer runs), so SDPA stays the default. Since session 16 SDPA's 64-key buckets give
-about the same rollout time (batch 256: 14.84 / 12.41 s vs this kernel's 14.70 / 12.38 s, bf16 / jet) at the
-SDPA mismatch.
+Opt-in (``rollout.decode_attention=triton``; measurements in docs/benchmarks.md, "Decode attention";
+``tools/attn_decode_bench.py``, part ``decattn`` of ``tools/device_check.sh``). With SDPA's 64-key buckets the
+8B rollout takes about the same time with either (batch 256: 14.84 / 12.41 s with SDPA vs 14.70 / 12.38 s with
+this kernel, bf16 / jet), while this kernel's rounding, independent of the attention the trainer runs, raises
+the RL step's train-rollout mismatch by about a quarter; so SDPA stays the default.
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations
@@ -33,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -41,8 +37,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
                         sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sok_b, so_b, so_h,
                         HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                        IEEE: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -98,9 +93,8 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
 
 @triton.jit
 def _merge_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+                  SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """out[b, h] = sum_s part_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s (split order)."""
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -150,14 +144,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ml = torch.empty((b, H, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    pdl = pdl_kwargs(q.device)
     _decode_attn_kernel[(b, G, splits)](
         q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ok.stride(0), out.stride(0), out.stride(1),
         HPG=hpg, D=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, **pdl)
+        IEEE=q.dtype == torch.float32, num_warps=num_warps)
     if splits > 1:
         _merge_kernel[(b, H)](part, ml, out, out.stride(0), out.stride(1), H, D=D, BLOCK_D=block_d, SPLIT=splits,
-                              BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl)
+                              BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.precision.pdl import pdl_enter, pdl_kwargs
 
 
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +57,7 @@ def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, idx_ptr, B, H,
                     sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, sc_b, sc_g, sc_l,
-                    ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                    ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     s = tl.program_id(0)
     bi = tl.program_id(1)
     h = tl.program_id(2)  # q heads first, then the key/value groups
@@ -95,5 +92,4 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
                           k_cache.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_D=triton.next_power_of_2(D),
-                          num_warps=1, enable_fp_fusion=False,  # no FMA: one rounding per op, as torch
-                          **pdl_kwargs(q.device))
+                          num_warps=1, enable_fp_fusion=False,)  # no FMA: one rounding per op, as torch

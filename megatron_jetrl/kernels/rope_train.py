@@ -8,25 +8,23 @@ On the H200 that was ~70 ms of an 8-layer training step (docs/benchmarks.md), in
 megatron routes ``apply_rotary_pos_emb`` to ``rope_utils.fused_apply_rotary_pos_emb(t, freqs,
 interleaved=...)`` when ``config.apply_rope_fusion`` is set; that slot is TransformerEngine's and stays
 ``None`` without it. :func:`install` fills the empty slot with :func:`fused_rope`, and the model builder
-then sets ``apply_rope_fusion`` (CUDA, non-interleaved RoPE; ``JETRL_FUSED_ROPE=0`` keeps the eager
-ops). Where TransformerEngine is installed its function is left in place and megatron's eager RoPE is
+then sets ``apply_rope_fusion`` (CUDA, non-interleaved RoPE). Where TransformerEngine is installed its function is left in place and megatron's eager RoPE is
 kept, since ours is the one that gives the decoder's bytes.
 
 Numerics: the forward gives the bytes of megatron's eager statement (the same cos/sin tables,
-``rollout.triton_rope.rope_tables``; every product and the sum rounded to the tensor's dtype in
+``kernels.rope.rope_tables``; every product and the sum rounded to the tensor's dtype in
 eager order, no FMA), so the training forward, the logprob recompute and the static decoder
-(``rollout.triton_rope``) keep computing the same RoPE. The backward is the eager autograd's:
+(``kernels.rope``) keep computing the same RoPE. The backward is the eager autograd's:
 ``dx = dy * cos + R^T(dy * sin)`` with ``R^T(g) = [g2, -g1]``, the same roundings in the same order.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.rollout.triton_rope import rope_tables
+from megatron_jetrl.kernels.rope import rope_tables
 
 
 @triton.jit
@@ -134,8 +132,8 @@ def rope_kernel_apply(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 def install() -> bool:
     """Fill megatron's empty fused-RoPE slot with :func:`fused_rope` (CUDA, TransformerEngine absent,
-    ``JETRL_FUSED_ROPE`` not ``0``). Returns whether the model builder may set ``apply_rope_fusion``."""
-    if os.environ.get("JETRL_FUSED_ROPE", "1") == "0" or not torch.cuda.is_available():
+    ). Returns whether the model builder may set ``apply_rope_fusion``."""
+    if not torch.cuda.is_available():
         return False
     from megatron.core.models.common.embeddings import rope_utils
 

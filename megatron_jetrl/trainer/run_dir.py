@@ -1,0 +1,69 @@
+"""The run directory: what it holds of a run, whether a run may start in it (fresh, or resuming the run it holds),
+and clearing it when the user asks (``checkpoint.overwrite``)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+from megatron_jetrl.config import ConfigError, JetConfig
+from megatron_jetrl.env import launcher_rank
+from megatron_jetrl.trainer.checkpoint import checkpoints, newest_intact_checkpoint
+
+# What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
+# The settings a resumed run must share with the run it continues.
+SAME_RUN_KEYS = ("model", "seed", "precision.mode", "precision.scale_fmt", "data.path", "data.reward")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_run_dir(cfg: JetConfig) -> str | None:
+    """Before anything is written: the checkpoint to resume from (None for a fresh run). ``--resume`` needs an
+    intact checkpoint of a run with the same model, seed and precision; a fresh run needs a run directory
+    without another run's checkpoints or metrics (or ``checkpoint.overwrite``). One-line ``ConfigError``s."""
+    import yaml
+
+    from megatron_jetrl.config import config_to_dict
+
+    run_dir = cfg.logging.run_dir
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if cfg.checkpoint.resume:  # every file read once, by rank 0 (the others check sizes, then take its choice)
+        path = newest_intact_checkpoint(ckpt_dir, crc=launcher_rank() == 0)
+        if path is None:
+            raise ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
+                              "--resume, or give the run directory that holds the run")
+        saved = os.path.join(run_dir, "config.yaml")
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                old = _flat(yaml.safe_load(f) or {})
+            new = _flat(config_to_dict(cfg))
+            diff = [k for k in sorted(new) if k.startswith(SAME_RUN_KEYS) and k in old and old[k] != new[k]]
+            if diff:
+                raise ConfigError(f"config error: {diff[0]}: the run in {run_dir} has {old[diff[0]]!r}, this config "
+                                  f"{new[diff[0]]!r}{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; "
+                                  "resume with the run's own settings (its config.yaml)")
+        return path
+    held = [os.path.basename(p) for p in checkpoints(ckpt_dir)]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics):
+        held.append("metrics.jsonl")
+    if held and not cfg.checkpoint.overwrite:
+        raise ConfigError(f"config error: logging.run_dir: {run_dir} holds another run ({', '.join(held[:3])}"
+                          f"{', ...' if len(held) > 3 else ''}); resume it with --resume, use another --run-dir, "
+                          "or pass --overwrite to delete it")
+    return None
+
+
+def clear_run(run_dir: str) -> None:
+    """Delete what a run wrote in ``run_dir`` (``RUN_FILES``; nothing else there is touched)."""
+    for name in RUN_FILES:
+        p = os.path.join(run_dir, name)
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.remove(p)
