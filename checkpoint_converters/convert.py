@@ -37,7 +37,8 @@ def check_output(src: str, out: str, overwrite: bool) -> None:
 
     s, o = os.path.realpath(src), os.path.realpath(out.rstrip("/"))
     if s == o or s.startswith(o + os.sep) or o.startswith(s + os.sep):
-        raise CheckpointError(f"checkpoint error: OUT {out!r} {'is' if s == o else 'contains' if s.startswith(o) else 'is inside'} "
+        where = "is" if s == o else "contains" if s.startswith(o) else "is inside"
+        raise CheckpointError(f"checkpoint error: OUT {out!r} {where} "
                               f"the source {src!r}; give an output directory outside it")
     if os.path.exists(o) and not overwrite and (not os.path.isdir(o) or os.listdir(o)):
         raise CheckpointError(f"checkpoint error: OUT {out!r} exists and is not empty; give a new directory or pass "

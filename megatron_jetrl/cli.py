@@ -208,7 +208,8 @@ def main(argv=None) -> int:
         from megatron_jetrl.launch import main as launch_main
 
         return launch_main(argv[1:])
-    if argv[:1] == ["mismatch"] or argv[:2] in (["bench", "linear"], ["bench", "sync"], ["bench", "train"], ["bench", "step"], ["bench", "rollout"]):
+    benches = (["linear"], ["sync"], ["train"], ["step"], ["rollout"])
+    if argv[:1] == ["mismatch"] or (argv[:1] == ["bench"] and argv[1:2] in benches):
         import importlib
 
         logging.basicConfig(level=logging.WARNING)

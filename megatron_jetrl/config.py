@@ -213,7 +213,8 @@ class PrecisionConfig:
     small_m_max: int = 64
     """Rollout forwards with at most this many tokens use the small-M Triton block-FP8 GEMM
     (``kernels/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the H200's crossover
-    (docs/benchmarks.md, "Decode linears"); ``jetrl bench linear --decode`` prints it for your GPU. CUDA only (the CPU runs the emulated GEMM whatever this says)."""
+    (docs/benchmarks.md, "Decode linears"); ``jetrl bench linear --decode`` prints it for your GPU. CUDA only
+    (the CPU runs the emulated GEMM whatever this says)."""
     decode_gemm: Literal["tune", "cublas"] = "tune"
     """Static-decoder forwards above ``small_m_max`` rows (e.g. a 256-row rollout batch): ``tune`` times
     cuBLAS's block-FP8 GEMM against DeepGEMM's (``kernels/deepgemm.py``; built with

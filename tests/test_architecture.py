@@ -120,3 +120,17 @@ def test_environment_is_read_in_one_module():
     for _, path in modules().items():
         names |= set(re.findall(r"JETRL_[A-Z_]+", open(path).read()))
     assert names <= {"JETRL_ADMIN_API_KEY", "JETRL_DEEPGEMM_DIR"}, names
+
+
+def test_config_reference_is_generated_and_current():
+    """docs/config.md is what tools/gen_config_docs.py writes from config.py, and every field has a docstring."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_config_docs", os.path.join(REPO, "tools", "gen_config_docs.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.render()
+    rows = [r for r in text.splitlines() if r.startswith("| `")]
+    assert len(rows) > 90 and all(not r.endswith("|  |") for r in rows), [r for r in rows if r.endswith("|  |")]
+    with open(os.path.join(REPO, "docs", "config.md")) as f:
+        assert f.read() == text, "docs/config.md is out of date: run python tools/gen_config_docs.py"

@@ -143,7 +143,8 @@ def test_train_starts_from_a_converted_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     make_hf_model("qwen3", str(tmp_path / "hf"), seed=3, vocab_size=128)
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "convert", "hf-to-megatron", str(tmp_path / "hf"),
-                          str(tmp_path / "mcore"), "--params-dtype", "fp32"], env=env, capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "mcore"), "--params-dtype", "fp32"],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {}
     for name, extra in (("direct", []), ("converted", [f"checkpoint.load_path={tmp_path / 'mcore'}"])):

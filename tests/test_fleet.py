@@ -621,7 +621,8 @@ def test_servers_die_with_their_launcher(fp8_dir, tmp_path):
               "from megatron_jetrl.distributed import free_port\n"
               "port = free_port()\n"
               f"s = Server(SGLangClient(f'http://127.0.0.1:{{port}}'), [sys.executable, '-m', 'megatron_jetrl.cli', "
-              f"'serve', '--model-path', {fp8_dir!r}, '--port', str(port), '--params-dtype', 'fp32'], {str(tmp_path / 's.log')!r})\n"
+              f"'serve', '--model-path', {fp8_dir!r}, '--port', str(port), '--params-dtype', 'fp32'], "
+              f"{str(tmp_path / 's.log')!r})\n"
               "s.start(); s.wait_healthy(120); print(s.proc.pid, flush=True); time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())

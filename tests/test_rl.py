@@ -394,7 +394,8 @@ def test_static_decoder_reused_across_batch_sizes(tmp_path, megatron_single):
     shared = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
     decoders = []
     for n in (5, 3, 7, 17):
-        prompts = [torch.randint(3, 384, (int(k),), generator=g).tolist() for k in [8, *torch.randint(2, 9, (n - 1,), generator=g)]]
+        lengths = [8, *torch.randint(2, 9, (n - 1,), generator=g)]
+        prompts = [torch.randint(3, 384, (int(k),), generator=g).tolist() for k in lengths]
         got = shared.generate(prompts, params)
         decoders.append(shared._decoder)
         alone = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4, decode="megatron").generate(prompts, params)

@@ -107,7 +107,8 @@ def main() -> None:
             row = {"S": S, "layout": layout, "backend": name, "fwd_ms": ms[(layout, name, "fwd")],
                    "fwdbwd_ms": ms[(layout, name, "fwdbwd")],
                    "fwd_tflops": flops / ms[(layout, name, "fwd")] / 1e9,
-                   "max_abs_diff_vs_flash": None if ref is None else float((ok[(layout, name)].float() - ref.float()).abs().max())}
+                   "max_abs_diff_vs_flash": (None if ref is None
+                                             else float((ok[(layout, name)].float() - ref.float()).abs().max()))}
             if ref is not None:
                 row["fwd_speedup_vs_flash"] = ms[(layout, "FLASH_ATTENTION", "fwd")] / row["fwd_ms"]
                 row["fwdbwd_speedup_vs_flash"] = ms[(layout, "FLASH_ATTENTION", "fwdbwd")] / row["fwdbwd_ms"]

@@ -128,7 +128,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
             kernels = {}
     tuning = dict(getattr(dec, "gemm_tuning", {}))
     layers = cfg.model.num_layers
-    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * (2 if cfg.precision.params_dtype == "bf16" else 4)
+    elem = 2 if cfg.precision.params_dtype == "bf16" else 4
+    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * elem
     mean_len = prompt_len + steps / 2
     decode_ms = (st.get("generate_s", wall) - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3

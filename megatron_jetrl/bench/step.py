@@ -36,7 +36,8 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     # every response, GRPO's advantages then are 0 and the training step would run its backward on zero
     # gradients (rewards/math.py: hash_reward)
     # its own run directory, replaced by the next benchmark (checkpoint.overwrite)
-    cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, f"precision.mode={mode}", "algo.sft_warmup_steps=0",
+    cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, f"precision.mode={mode}",
+                                    "algo.sft_warmup_steps=0",
                                     f"steps={steps + warmup}", "logging.tensorboard=false", "checkpoint.overwrite=true",
                                     f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])
     run = setup(cfg)
@@ -114,7 +115,8 @@ def main(argv=None) -> list[dict]:
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
-    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "reward_std", "tokens_per_s_rollout", "train_seq_len", "peak_GiB"]
+    cols = ["mode", *PHASES, "requant", "step", "requant_handover_share", "mismatch_abs_mean", "reward_std",
+            "tokens_per_s_rollout", "train_seq_len", "peak_GiB"]
     shown = rows
     if base:  # the ratios are printed, not stored in the rows
         shown = [{**r, "step speedup vs bf16": f"{base['step'] / r['step']:.3f}",

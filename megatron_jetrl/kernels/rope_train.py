@@ -8,8 +8,8 @@ On the H200 that was ~70 ms of an 8-layer training step (docs/benchmarks.md), in
 megatron routes ``apply_rotary_pos_emb`` to ``rope_utils.fused_apply_rotary_pos_emb(t, freqs,
 interleaved=...)`` when ``config.apply_rope_fusion`` is set; that slot is TransformerEngine's and stays
 ``None`` without it. :func:`install` fills the empty slot with :func:`fused_rope`, and the model builder
-then sets ``apply_rope_fusion`` (CUDA, non-interleaved RoPE). Where TransformerEngine is installed its function is left in place and megatron's eager RoPE is
-kept, since ours is the one that gives the decoder's bytes.
+then sets ``apply_rope_fusion`` (CUDA, non-interleaved RoPE). Where TransformerEngine is installed its function
+is left in place and megatron's eager RoPE is kept, since ours is the one that gives the decoder's bytes.
 
 Numerics: the forward gives the bytes of megatron's eager statement (the same cos/sin tables,
 ``kernels.rope.rope_tables``; every product and the sum rounded to the tensor's dtype in

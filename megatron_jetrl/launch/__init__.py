@@ -24,8 +24,8 @@ import subprocess
 import sys
 
 from megatron_jetrl.env import admin_api_key, snapshot
-from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts, search_layouts,
-                                           server_memory, trainer_memory, valid_tp)
+from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts,
+                                           search_layouts, server_memory, trainer_memory, valid_tp)
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 TRAIN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",      # Megatron's TP comm/compute overlap ordering
@@ -313,7 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", help="comma-separated host names (default from SLURM_JOB_NODELIST)")
     ap.add_argument("--node-rank", type=int, help="this node's index (default SLURM_NODEID or 0)")
     ap.add_argument("--seq-len", type=int, default=8192, help="prompt + response tokens per sample")
-    ap.add_argument("--concurrency", type=int, default=32, help="full-length sequences in flight per SGLang server (sizes its KV pool)")
+    ap.add_argument("--concurrency", type=int, default=32,
+                    help="full-length sequences in flight per SGLang server (sizes its KV pool)")
     ap.add_argument("--rollout-gpus", type=int, default=0, help="disaggregated: GPUs for the SGLang fleet")
     ap.add_argument("--tp", type=int, default=0, help="force the trainer's tensor parallel size")
     ap.add_argument("--pp", type=int, default=0, help="force the trainer's pipeline parallel size")

@@ -568,8 +568,10 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
                     "/begin_weight_update": state.begin_session,
                     "/end_weight_update": state.end_session,
                     "/weights_checker": lambda: state.checksums(body),
-                    "/pause_generation": lambda: (state.running.clear(), {"message": "Generation paused successfully.", "status": "ok"})[1],
-                    "/continue_generation": lambda: (state.running.set(), {"message": "Generation continued successfully.", "status": "ok"})[1],
+                    "/pause_generation": lambda: (state.running.clear(),
+                                                  {"message": "Generation paused successfully.", "status": "ok"})[1],
+                    "/continue_generation": lambda: (state.running.set(),
+                                                     {"message": "Generation continued successfully.", "status": "ok"})[1],
                     "/flush_cache": lambda: "Cache flushed.\n",
                     "/release_memory_occupation": lambda: state.release(body),
                     "/resume_memory_occupation": lambda: state.resume(body),
@@ -651,7 +653,8 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--params-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--backend", default="auto", choices=["auto", "scaled_mm", "emulated"])
     ap.add_argument("--small-m-max", type=int, default=64,
-                    help="decode forwards with <= this many tokens use the small-M Triton FP8 GEMM (0 = off; precision.small_m_max)")
+                    help="decode forwards with <= this many tokens use the small-M Triton FP8 GEMM "
+                         "(0 = off; precision.small_m_max)")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

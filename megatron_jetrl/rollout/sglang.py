@@ -138,10 +138,12 @@ class SGLangClient:
                 detail = e.read().decode(errors="replace")
                 try:
                     j = json.loads(detail)
-                    detail = (j.get("error") or {}).get("message") if isinstance(j.get("error"), dict) else j.get("message", detail)
+                    err = j.get("error")
+                    detail = err.get("message") if isinstance(err, dict) else j.get("message", detail)
                 except (json.JSONDecodeError, AttributeError):
                     pass
-                raise ServerError(f"{self.url}{path}: HTTP {e.code}: {str(detail).strip().splitlines()[0] if detail else ''}") from None
+                first = str(detail).strip().splitlines()[0] if detail else ""
+                raise ServerError(f"{self.url}{path}: HTTP {e.code}: {first}") from None
             except (urllib.error.URLError, OSError, TimeoutError) as e:
                 if attempt == retries:
                     reason = getattr(e, "reason", e)
@@ -340,7 +342,8 @@ class Server:
                 self.up = True
                 return
             time.sleep(0.25)
-        raise ServerError(f"{self.client.url}: not healthy after {timeout_s:.0f} s (rollout.health_timeout_s); see {self.log_path}")
+        raise ServerError(f"{self.client.url}: not healthy after {timeout_s:.0f} s (rollout.health_timeout_s); "
+                          f"see {self.log_path}")
 
     def stop(self) -> None:
         """Terminate the server's whole process group (SGLang's scheduler/detokenizer children hold
@@ -408,7 +411,8 @@ class RolloutFleet:
                 port = free_port()
                 if r.engine == "sglang":
                     cmd = [sys.executable, "-m", "sglang.launch_server",
-                           *sglang_server_argv(cfg, recipe, model_dir, port, (0 if colocated else trainer_gpus) + i * r.server_tp, colocated)]
+                           *sglang_server_argv(cfg, recipe, model_dir, port,
+                                               (0 if colocated else trainer_gpus) + i * r.server_tp, colocated)]
                 else:
                     cmd = [sys.executable, "-m", "megatron_jetrl.cli", "serve", *serve_argv(cfg, model_dir, port, i)]
                 self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, r.admin_api_key),

@@ -76,7 +76,8 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
 
     from megatron_jetrl.kernels.fused_logp import fused_enabled, fused_logp_entropy
 
-    if fused_enabled(logits) if fused is None else fused:  # CUDA: one kernel forward, one backward, no fp32 logits (fused_logp.py)
+    # CUDA: one kernel forward, one backward, no fp32 logits (kernels/fused_logp.py)
+    if fused_enabled(logits) if fused is None else fused:
         logp, entropy = fused_logp_entropy(logits, labels, temperature)
         if not with_entropy:
             return logp, None
