@@ -213,7 +213,7 @@ class PrecisionConfig:
     small_m_max: int = 64
     """Rollout forwards with at most this many tokens use the small-M Triton block-FP8 GEMM
     (``kernels/triton_gemm.py``) instead of cuBLAS ``scaled_mm``; 0 = off. 64 is the H200's crossover
-    (docs/benchmarks.md, "Decode linears"); ``jetrl bench linear --decode`` prints it for your GPU. CUDA only
+    (docs/benchmarks.md, "Decode-size linears"); ``jetrl bench linear --decode`` prints it for your GPU. CUDA only
     (the CPU runs the emulated GEMM whatever this says)."""
     decode_gemm: Literal["tune", "cublas"] = "tune"
     """Static-decoder forwards above ``small_m_max`` rows (e.g. a 256-row rollout batch): ``tune`` times
@@ -222,7 +222,7 @@ class PrecisionConfig:
     weights, before the decoder's first CUDA-graph capture, and runs each shape on the faster; ``cublas``
     always cuBLAS. Without DeepGEMM (unset directory, not an sm_90 GPU) ``tune`` is ``cublas``. Same FP8 bytes
     and scales either way; the two kernels round the fp32 accumulator to BF16 after summing in different
-    orders (docs/benchmarks.md, "Rollout": the rollout time and the train-rollout mismatch with and without)."""
+    orders (docs/benchmarks.md, "In-process rollout": the rollout time with and without; "Full RL step": the mismatch)."""
     fuse_swiglu: bool = True
     """Gated MLPs, every mode: FP8 fc2 runs the SwiGLU inside its activation quantizer (one pass over
     fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a
@@ -332,7 +332,7 @@ class RolloutConfig:
     decode_bucket: int = 64
     """Static decoding with SDPA attention: a decode step reads the KV cache up to the next multiple of
     this (one CUDA graph per multiple). Smaller buckets read fewer padded keys per step and capture more
-    graphs once (docs/benchmarks.md, "Rollout": 64 against 256 on the H200)."""
+    graphs once (docs/benchmarks.md, "In-process rollout": 64 against 256 on the H200)."""
     decode_max_graphs: int = 32
     """Static decoding with SDPA attention: at most this many length buckets (CUDA graphs) per decoder; for long
     contexts the bucket widens to a multiple of ``decode_bucket`` (e.g. 1024 keys at 32K positions) instead of
@@ -406,7 +406,7 @@ class AlgoConfig:
     forward, detached. The RL step makes one optimizer step per rollout batch, so the policy of that
     forward is the old policy: the ratio is exactly 1 (``clip_fraction`` 0), the gradient is the same,
     and the train-rollout mismatch and TIS weights come from the same logprobs; one forward pass per
-    step less (docs/benchmarks.md, "RL step"). ``true``: a
+    step less (docs/benchmarks.md, "Full RL step"). ``true``: a
     separate forward pass before training (``time_logprob``; the training phase as the Jet-RL paper
     times it, and what a loop with several optimizer steps per batch would need)."""
     sft_warmup_steps: int = 0

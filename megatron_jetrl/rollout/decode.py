@@ -118,7 +118,7 @@ class StaticDecoder:
         # (CUDA, the one-kernel RMSNorm of kernels/rmsnorm.py)
         self.fuse_add_norm = self.device.type == "cuda"
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
-        # fewer per 32-layer step; same bytes; docs/benchmarks.md, "Rollout"), for the small-M GEMM and for
+        # fewer per 32-layer step; same bytes; docs/benchmarks.md, "In-process rollout"), for the small-M GEMM and for
         # the linears above small_m_max rows (cuBLAS's GEMM: batch 256, the prefill; scales column-major as
         # scaled_mm reads them): the linear then runs the GEMM alone. The tests turn these attributes off on
         # a decoder to compare with the unfused path.
