@@ -417,7 +417,7 @@ def test_jet_mlp_fuses_swiglu_only_when_fc2_runs_fp8(fuse, megatron_single):
     state.fuse_swiglu = fuse  # the setting only changes the path, not the numbers (checked above)
     state.forward_fp8 = False  # bf16 forward: fc2 never sees [gate | up]
     out, _ = mlp(x)
-    assert out.shape == outs[True][0].shape and not mlp.linear_fc2.swiglu_input
+    assert out.shape == outs[True][0].shape and not mlp.linear_fc2.hints.swiglu_input
 
 
 def _graph_names(out, limit=50):
@@ -1059,29 +1059,24 @@ def test_fp8_linear_takes_prequantized_input_with_column_major_scales(megatron_s
                                 (layer.mlp.linear_fc1, False)):
         K = lin.weight.shape[1]
         x = torch.randn(7, 3, K, generator=g) * 2
-        with torch.no_grad(), state.rollout_precision():
-            lin.rollout_layout_output = rollout_layout
-            try:
-                ref, _ = lin(x)
-                pre = quantize_act(x.reshape(-1, K), state.recipe, scale_col_major=True, use_triton=False)
-                assert pre[1].t().is_contiguous()  # column-major (tiny: one 128-group per row)
-                lin.prequantized_input = pre
-                with mock.patch.object(linear_mod, "quantize_act", side_effect=AssertionError("quantized again")):
-                    out, _ = lin(x)
-                assert torch.equal(out, ref), (lin, rollout_layout)
-                lin.prequantized_input = (pre[0][:20], pre[1][:20])  # another row count: not x's, ignored
+        with torch.no_grad(), state.rollout_precision(), lin.hinted(rollout_layout_output=rollout_layout):
+            ref, _ = lin(x)
+            pre = quantize_act(x.reshape(-1, K), state.recipe, scale_col_major=True, use_triton=False)
+            assert pre[1].t().is_contiguous()  # column-major (tiny: one 128-group per row)
+            with lin.hinted(prequantized_input=pre), \
+                    mock.patch.object(linear_mod, "quantize_act", side_effect=AssertionError("quantized again")):
+                out, _ = lin(x)
+            assert torch.equal(out, ref), (lin, rollout_layout)
+            with lin.hinted(prequantized_input=(pre[0][:20], pre[1][:20])):  # another row count: not x's, ignored
                 assert torch.equal(lin(x)[0], ref)
-            finally:
-                lin.rollout_layout_output, lin.prequantized_input = False, None
+        assert lin.hints == linear_mod.CallHints()  # restored on exit
     lin = layer.mlp.linear_fc1
     x = torch.randn(7, 3, lin.weight.shape[1], generator=g, requires_grad=True)
-    lin.prequantized_input = quantize_act(x.detach().reshape(21, -1), state.recipe, scale_col_major=True, use_triton=False)
-    try:
-        with mock.patch.object(linear_mod, "quantize_act", wraps=linear_mod.quantize_act) as q:
-            lin(x)[0].sum().backward()  # a training forward quantizes x itself (and saves it for the backward)
-        assert q.call_count >= 1 and x.grad is not None
-    finally:
-        lin.prequantized_input = None
+    pre = quantize_act(x.detach().reshape(21, -1), state.recipe, scale_col_major=True, use_triton=False)
+    with lin.hinted(prequantized_input=pre), \
+            mock.patch.object(linear_mod, "quantize_act", wraps=linear_mod.quantize_act) as q:
+        lin(x)[0].sum().backward()  # a training forward quantizes x itself (and saves it for the backward)
+    assert q.call_count >= 1 and x.grad is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

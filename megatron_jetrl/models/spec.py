@@ -97,14 +97,11 @@ class JetMLP(MLP):
             if bias is not None:
                 y = y + bias
             return fc2(swiglu_fused(y))
-        try:
-            y, bias = fc1(hidden_states)
-            if bias is not None:
-                y = y + bias
-            fc2.swiglu_input = True
+        y, bias = fc1(hidden_states)
+        if bias is not None:
+            y = y + bias
+        with fc2.hinted(swiglu_input=True):
             return fc2(y)
-        finally:
-            fc2.swiglu_input = False
 
 
 class JetSpecProvider(LocalSpecProvider):

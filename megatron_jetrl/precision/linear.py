@@ -23,6 +23,7 @@ instead use the same blocks reordered into Megatron's row order once per version
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -368,6 +369,27 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         return swiglu_backward(y, da), dw, None, None, None, None, None, None, None, None, None
 
 
+@dataclasses.dataclass(frozen=True)
+class CallHints:
+    """How the caller that owns a call of an FP8 linear wants it run; set for the call with
+    ``FP8LinearMixin.hinted(...)``, the defaults otherwise. The same bytes either way: each hint saves work."""
+
+    swiglu_input: bool = False
+    """The gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output ``[gate | up]`` and the
+    SwiGLU runs fused into the activation quantizer."""
+    prequantized_input: Optional[tuple] = None
+    """The static decoder around an inference call whose input's FP8 bytes and scales were computed by the op that
+    produced it (fused add + RMSNorm + quantizer): ``(q, scale_inv)``, used instead of quantizing the input again
+    (ignored unless its rows are the input's)."""
+    defer_split_sum: bool = False
+    """The static decoder around an inference call whose output only feeds its fused residual add + RMSNorm kernel
+    (attention's output projection, the MLP's fc2; TP=1, no bias): when the small-M GEMM splits K, the call returns
+    the unsummed fp32 partials ``[split, tokens, N]`` and sets ``deferred_splits``; the norm kernel sums them."""
+    rollout_layout_output: bool = False
+    """The static decoder around an inference call of a fused QKV: the FP8 output stays in the cache's rollout row
+    order (``[q | k | v]``, what SGLang's ``qkv_proj`` computes) instead of Megatron's interleaved order."""
+
+
 class FP8LinearMixin:
     """Adds the FP8 path to a Megatron parallel linear. ``attach_fp8`` (below) configures it;
     until then, or when the model state says BF16, the layer is the plain Megatron layer."""
@@ -375,23 +397,20 @@ class FP8LinearMixin:
     fp8_state: Optional[FP8ModelState] = None
     fp8_cache: Optional[FP8WeightCache] = None
     fp8_backend: Optional[str] = None
-    swiglu_input = False
-    """Set by the gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output
-    ``[gate | up]`` and the SwiGLU runs fused into the activation quantizer."""
-    prequantized_input = None
-    """Set by the static decoder around an inference call whose input's FP8 bytes and scales were
-    computed by the op that produced it (fused add + RMSNorm + quantizer): ``(q, scale_inv)``, used by
-    the small-M GEMM instead of quantizing the input again (same bytes)."""
-    defer_split_sum = False
-    """Set by the static decoder around an inference call whose output only feeds its fused residual
-    add + RMSNorm kernel (attention's output projection, the MLP's fc2; TP=1, no bias): when the
-    small-M GEMM splits K, the call returns the unsummed fp32 partials ``[split, tokens, N]`` and sets
-    ``deferred_splits``; the norm kernel sums them (same bytes as the sum kernel, one launch less)."""
+    hints: CallHints = CallHints()
+    """This call's hints (the defaults outside ``hinted``)."""
     deferred_splits = 0
-    rollout_layout_output = False
-    """Set by the static decoder (``rollout/decode.py``) around an inference call of a fused QKV:
-    the FP8 output stays in the cache's rollout row order (``[q | k | v]``, what SGLang's
-    ``qkv_proj`` computes) instead of being permuted back to Megatron's interleaved order."""
+    """Output of a call with ``defer_split_sum``: the number of fp32 partials returned (1: summed)."""
+
+    @contextlib.contextmanager
+    def hinted(self, **changes):
+        """Run the enclosed calls of this linear with ``CallHints`` fields changed (restored on exit)."""
+        before = self.hints
+        self.hints = dataclasses.replace(before, **changes)
+        try:
+            yield self
+        finally:
+            self.hints = before
 
     def fp8_active(self) -> bool:
         return self.fp8_state is not None and self.fp8_state.forward_fp8
@@ -409,7 +428,7 @@ class FP8LinearMixin:
         cache = self.fp8_cache
         M = input.numel() // input.shape[-1]
         inv_perm, perm = cache.inv_perm, cache.perm
-        if self.rollout_layout_output and inv_perm is not None:
+        if self.hints.rollout_layout_output and inv_perm is not None:
             if torch.is_grad_enabled():
                 raise RuntimeError("rollout_layout_output is for inference forwards (no autograd)")
             inv_perm, perm = None, None
@@ -419,13 +438,13 @@ class FP8LinearMixin:
             from megatron_jetrl.precision.quant import swiglu
             from megatron_jetrl.kernels.triton_gemm import small_m_linear
 
-            fused = self.swiglu_input and M > 8  # SwiGLU in the activation quantizer (one kernel)
-            if self.swiglu_input and not fused:  # a few rows: the activation in torch, its quantization in the GEMM
+            fused = self.hints.swiglu_input and M > 8  # SwiGLU in the activation quantizer (one kernel)
+            if self.hints.swiglu_input and not fused:  # a few rows: the activation in torch, its quantization in the GEMM
                 input = swiglu(input)
-            pre = self.prequantized_input
+            pre = self.hints.prequantized_input
             if pre is not None and (fused or pre[0].shape[0] != M):
                 pre = None
-            if (self.defer_split_sum and bias is None and inv_perm is None
+            if (self.hints.defer_split_sum and bias is None and inv_perm is None
                     and getattr(self, "bias", None) is None):
                 out, self.deferred_splits = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe,
                                                            swiglu=fused, xq=pre, return_partials=True)
@@ -438,14 +457,15 @@ class FP8LinearMixin:
             # the same FP8 blocks in Megatron's row order: no permutation of y, dy or dW
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
-        pre = self.prequantized_input
-        if pre is not None and not torch.is_grad_enabled() and not self.swiglu_input and pre[0].shape == (M, input.shape[-1]):
+        pre = self.hints.prequantized_input
+        if (pre is not None and not torch.is_grad_enabled() and not self.hints.swiglu_input
+                and pre[0].shape == (M, input.shape[-1])):
             # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
             # scales in cuBLAS's column-major layout): the GEMM alone, no quantizer launch
             y = _forward_gemm(pre[0], pre[1], qweight, scale_inv, inv_perm, self.fp8_backend, input.dtype,
                               self.fp8_state.recipe.group_size, input.shape[:-1])
             return y if bias is None else y + bias
-        fn = FP8SwigluLinearFunction if self.swiglu_input else FP8LinearFunction
+        fn = FP8SwigluLinearFunction if self.hints.swiglu_input else FP8LinearFunction
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
                        self.fp8_state.fuse_wgrad_accumulation, self.fp8_state.fused_dy_quant,
                        cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None)
@@ -453,7 +473,7 @@ class FP8LinearMixin:
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self.fp8_active() or weight is not self.weight:
-            if self.swiglu_input:
+            if self.hints.swiglu_input:
                 from megatron_jetrl.precision.quant import swiglu
 
                 input = swiglu(input)

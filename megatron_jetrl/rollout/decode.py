@@ -184,17 +184,16 @@ class StaticDecoder:
     def _deferred(self, lin, fn, *args):
         """``fn(*args)`` (a block returning ``(out, bias)``) -> (delta, splits): the block's output plus its
         bias; with ``defer_split_sum`` and ``lin`` an FP8 linear that takes the small-M path, a split-K
-        output is its unsummed fp32 partials (``splits`` > 1; see ``FP8LinearMixin.defer_split_sum``,
+        output is its unsummed fp32 partials (``splits`` > 1; see ``CallHints.defer_split_sum``,
         which defers only for a linear without bias), summed by the next ``_add_norm``."""
         defer = self.defer_split_sum and lin is not None and getattr(lin, "fp8_state", None) is not None
-        if defer:
-            lin.defer_split_sum, lin.deferred_splits = True, 1
-        try:
+        if not defer:
             out, bias = fn(*args)
-        finally:
-            if defer:
-                lin.defer_split_sum = False
-        return (out if bias is None else out + bias), (lin.deferred_splits if defer else 1)
+            return (out if bias is None else out + bias), 1
+        lin.deferred_splits = 1
+        with lin.hinted(defer_split_sum=True):
+            out, bias = fn(*args)
+        return (out if bias is None else out + bias), lin.deferred_splits
 
     @staticmethod
     def _summed(delta, splits: int, like: torch.Tensor) -> torch.Tensor:
@@ -233,18 +232,15 @@ class StaticDecoder:
         megatron's interleaved order and copying q out of it)."""
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
-        if xq is not None:  # x's FP8 bytes from the fused norm (kernels/rmsnorm.py)
-            lin.prequantized_input = xq
-        try:
-            if (cache is None or cache.perm is None or not lin.fp8_active()
-                    or attn.config.num_query_groups < attn.world_size):
+        hinted = lin.hinted if hasattr(lin, "hinted") else None
+        if (cache is None or cache.perm is None or not lin.fp8_active()
+                or attn.config.num_query_groups < attn.world_size):
+            if hinted is None or xq is None:
                 return attn.get_query_key_value_tensors(x, None)
-            lin.rollout_layout_output = True
+            with hinted(prequantized_input=xq):  # x's FP8 bytes from the fused norm (kernels/rmsnorm.py)
+                return attn.get_query_key_value_tensors(x, None)
+        with hinted(prequantized_input=xq, rollout_layout_output=True):
             out, _ = lin(x)
-        finally:
-            lin.rollout_layout_output = False
-            if xq is not None:
-                lin.prequantized_input = None
         (S, b), hd, gd = out.shape[:2], self.heads * self.dim, self.groups * self.dim
         q = out[..., :hd].view(S, b, self.heads, self.dim)
         k = out[..., hd:hd + gd].view(S, b, self.groups, self.dim)
@@ -301,13 +297,11 @@ class StaticDecoder:
             delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
             fc1 = getattr(layer.mlp, "linear_fc1", None)
             h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1, splits)
-            if xq is not None:
-                fc1.prequantized_input = xq
-            try:
+            if xq is None:
                 delta, splits = self._deferred(getattr(layer.mlp, "linear_fc2", None), layer.mlp, x)
-            finally:
-                if xq is not None:
-                    fc1.prequantized_input = None
+            else:
+                with fc1.hinted(prequantized_input=xq):  # x's FP8 bytes from the fused norm
+                    delta, splits = self._deferred(layer.mlp.linear_fc2, layer.mlp, x)
         h = h + self._summed(delta, splits, h)
         h = self.gpt.decoder.final_layernorm(h[-1:])
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
