@@ -9,12 +9,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The kind of each test file (markers registered in pyproject.toml; ``pytest -m unit``, ``-m e2e``, ``-m gpu``):
 # unit: one module or kernel in process; e2e: whole training runs, servers, several processes; gpu: CUDA only.
 KIND = {
-    "test_precision.py": "unit", "test_fp8_model.py": "unit", "test_loss.py": "unit", "test_config.py": "unit",
+    "test_quant.py": "unit", "test_fp8_linear.py": "unit", "test_kernels_interpreter.py": "unit",
+    "test_grad_accum.py": "unit", "test_gemm_backends.py": "unit",
+    "test_fp8_model.py": "unit", "test_loss.py": "unit", "test_config.py": "unit",
     "test_models.py": "unit", "test_rewards_data.py": "unit", "test_sync.py": "unit", "test_partial_fp8.py": "unit",
     "test_architecture.py": "unit", "test_sglang_contract.py": "unit",
     "test_rl.py": "e2e", "test_fleet.py": "e2e", "test_chat_eval.py": "e2e", "test_reliability.py": "e2e",
     "test_convert.py": "e2e", "test_launch.py": "e2e", "test_bench.py": "e2e",
-    "test_gpu.py": "gpu",
+    "test_gpu_quant.py": "gpu", "test_gpu_gemm.py": "gpu", "test_gpu_decode.py": "gpu", "test_gpu_model.py": "gpu",
 }
 
 
@@ -40,3 +42,14 @@ def megatron_single():
 
     init_distributed(ParallelConfig())
     yield
+
+
+@pytest.fixture
+def kernel_table():
+    """Leaves gemm's per-shape kernel table as it found it."""
+    from megatron_jetrl.precision import gemm
+
+    saved = dict(gemm._KERNELS)
+    yield gemm
+    gemm._KERNELS.clear()
+    gemm._KERNELS.update(saved)

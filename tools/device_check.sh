@@ -19,7 +19,7 @@ PARTS="$*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 if want tests; then
-  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
+  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_quant.py tests/test_gpu_gemm.py tests/test_gpu_decode.py tests/test_gpu_model.py -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
 fi
 if want linear; then
   timeout 150 python3 -m megatron_jetrl.cli bench linear --profile --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt

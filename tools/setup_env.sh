@@ -60,7 +60,7 @@ pip_install --no-deps dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.
 # sglang-router (a Rust binary in a 30 MB wheel): the fleet test runs the real router in front of
 # two `jetrl serve` workers.
 pip_install "sglang-router==0.3.2"
-# nvidia-modelopt's block-FP8 quantizer, compared with ours in tests/test_precision.py: no deps
+# nvidia-modelopt's block-FP8 quantizer, compared with ours in tests/test_quant.py: no deps
 # (it would pull a CUDA torch), plus the three its quantization package imports.
 python -c "import modelopt" 2>/dev/null || \
   pip_install --no-deps "nvidia-modelopt==0.47.0"

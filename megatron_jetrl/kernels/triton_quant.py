@@ -2,7 +2,7 @@
 
 One program quantizes a [BLOCK_M, G] tile: amax, scale and the E4M3 cast in one pass over the
 input. Bit-identical to ``quant.quantize_act``'s torch statement (tested on the H200,
-``tests/test_gpu.py``): the division is IEEE round-to-nearest (``div_rn``, not the approximate
+``tests/test_gpu_*.py``): the division is IEEE round-to-nearest (``div_rn``, not the approximate
 ``/``), ue8m0's ceil(log2) is read from the float's exponent bits, and the cast is the hardware
 round-to-nearest-even with saturation at 448.
 """

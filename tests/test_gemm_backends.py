@@ -1,0 +1,74 @@
+"""The GEMM backends' dispatch: the per-shape kernel table, DeepGEMM's availability answers and its
+ahead-of-time build plans."""
+import pytest
+import torch
+from megatron_jetrl.precision.gemm import block_gemm
+from megatron_jetrl.precision.quant import (quantize_act,
+                                            quantize_weight)
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch):
+    """The per-shape kernel table (cuBLAS unless a shape is set to DeepGEMM), its validation, and DeepGEMM's
+    availability answers: unset directory, a directory without the build, not CUDA; tuning on CPU changes
+    nothing."""
+    from megatron_jetrl.kernels import deepgemm
+    from megatron_jetrl.precision import gemm
+
+    saved = dict(gemm._KERNELS)
+    try:
+        assert gemm.kernel_for(256, 4096, 4096) == "cublas"
+        gemm.set_kernel(256, 4096, 4096, "deepgemm")
+        assert gemm.kernel_for(256, 4096, 4096) == "deepgemm" and gemm.kernel_for(255, 4096, 4096) == "cublas"
+        gemm.set_kernel(256, 4096, 4096, "cublas")
+        assert (256, 4096, 4096) not in gemm._KERNELS
+        with pytest.raises(ValueError, match="cublas or deepgemm"):
+            gemm.set_kernel(1, 2, 3, "cutlass")
+        # a table entry never reaches the emulated backend: the same result as without it
+        recipe = FP8Recipe()
+        xq, xs = quantize_act(torch.randn(8, 256), recipe)
+        qw, sw = quantize_weight(torch.randn(128, 256), recipe)
+        ref = block_gemm(xq, xs, qw, sw, "emulated")
+        gemm.set_kernel(8, 128, 256, "deepgemm")
+        assert torch.equal(block_gemm(xq, xs, qw, sw, "emulated"), ref)
+        assert gemm.tune_kernels(256, {(128, 256): [(qw, sw)]}) == {}  # CPU: nothing timed, nothing set
+    finally:
+        gemm._KERNELS.clear()
+        gemm._KERNELS.update(saved)
+    monkeypatch.delenv(deepgemm.ENV_DIR, raising=False)
+    ok, why = deepgemm.available(torch.device("cpu"))
+    assert not ok and "JETRL_DEEPGEMM_DIR is unset" in why and "build_deepgemm_sm90.py" in why
+    monkeypatch.setenv(deepgemm.ENV_DIR, str(tmp_path))
+    assert deepgemm.available(torch.device("cpu")) == (False, "device is not CUDA")
+    with pytest.raises(deepgemm.DeepGemmUnavailable, match="holds no libjetrl_deepgemm_sm90.so"):
+        deepgemm._lib(str(tmp_path))
+    a = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    assert deepgemm.takes(a, torch.zeros(1024, 512, dtype=torch.float8_e4m3fn), torch.bfloat16)
+    assert not deepgemm.takes(a, torch.zeros(1000, 512, dtype=torch.float8_e4m3fn), torch.bfloat16)  # N % 64
+    assert not deepgemm.takes(a, torch.zeros(1024, 512, dtype=torch.float8_e4m3fn), torch.float32)
+    assert not deepgemm.takes(a[:, :384], torch.zeros(1024, 384, dtype=torch.float8_e4m3fn), torch.bfloat16)
+
+
+def test_deepgemm_build_plans_every_gemm_of_a_preset():
+    """The build script's ahead-of-time shape list: every decode row count for each linear, and at every
+    training micro-batch the forward, dgrad and wgrad forms; bad input names the flag."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "build_deepgemm_sm90.py"
+    spec = importlib.util.spec_from_file_location("build_deepgemm_sm90", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shapes = set(mod.preset_shapes(["llama3.1-8b"], decode_m=[64, 256], tokens=[8192]))
+    for n, k in mod.PRESET_LINEARS["llama3.1-8b"]:
+        assert {(64, n, k), (256, n, k), (8192, n, k), (8192, k, n), (n, k, 8192)} <= shapes
+    assert len(shapes) == len(set(shapes))
+    with pytest.raises(SystemExit, match="unknown 'llama9'"):
+        mod.preset_shapes(["llama9"])
+    with pytest.raises(SystemExit, match="--precompile: 'x' is not M:N:K"):
+        mod.main(["--skip-library", "--out", "/nonexistent", "--precompile", "x", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--skip-library: no /nonexistent/libjetrl_deepgemm_sm90.so"):
+        mod.main(["--skip-library", "--out", "/nonexistent", "--precompile", "1:128:128", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--flashinfer: required"):
+        mod.main(["--out", "/nonexistent", "--nvcc", "sh"])
+    with pytest.raises(SystemExit, match="--nvcc: no-such-nvcc not found"):
+        mod.main(["--out", "/nonexistent", "--nvcc", "no-such-nvcc"])

@@ -1,0 +1,423 @@
+"""The Triton kernels under Triton's CPU interpreter (subprocesses with TRITON_INTERPRET=1), kernel
+against its torch statement: small-M GEMM, fused SwiGLU quantizer, SwiGLU backward, transposes, the dual
+gradient quantizer, RoPE (decode and training), RMSNorm, the fused add + RMSNorm + quantizer."""
+import os
+from tests.common import REPO
+
+def test_small_m_triton_gemm_under_the_interpreter():
+    """The fused small-M kernel (CUDA in production) run by Triton's CPU interpreter: the activation
+    bytes and scales it uses are the precision core's Triton quantizer's, and its output is the
+    dequantized GEMM of those bytes. (The interpreter's own float->E4M3 cast mis-rounds at binade
+    edges, so the comparison is kernel-to-kernel here; tests/test_gpu_*.py compares against the torch
+    quantizer on the GPU.)"""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.quant import quantize_weight
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
+from megatron_jetrl.precision.gemm import block_gemm
+from megatron_jetrl.kernels.triton_gemm import small_m_linear
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    g = torch.Generator().manual_seed(0)
+    # None: the launch plan; then split-K (3 splits over 8 groups, the last one short) and other tiles
+    # and x quantized once beforehand (prequant) with other row tiles
+    for M, N, K, bn, split, pre, bm in ((1, 256, 384, None, None, False, None), (5, 384, 320, None, None, False, None),
+                                        (33, 128, 256, None, None, False, None), (2, 200, 1000, 32, 3, False, None),
+                                        (17, 384, 1024, 128, 8, False, None), (40, 256, 640, 64, 2, True, 32),
+                                        (3, 130, 300, None, None, True, None), (70, 200, 400, 128, 2, True, None)):
+        x = torch.randn(M, K, generator=g) * 3
+        w = torch.randn(N, K, generator=g)
+        qw, ws = quantize_weight(w, r)
+        y, q, s = small_m_linear(x, qw, ws, r, torch.float32, return_quantized=True, block_n=bn, split_k=split,
+                                 prequant=pre, block_m=bm, fused_sum=True)
+        qr, sr = quantize_act_triton(x, r)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N, K)
+        ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
+        err = float((y - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, (fmt, M, N, K, err)
+        # split-K summed by the tile's last program == by the second kernel (same order, same bytes)
+        y2 = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
+                            fused_sum=False)
+        assert torch.equal(y, y2), (fmt, M, N, K)
+        # deferred sum: the partials as returned, summed in split order == the summed output
+        from megatron_jetrl.kernels.triton_gemm import sum_partials
+        part, n = small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre, block_m=bm,
+                                 return_partials=True)
+        y3 = part if n == 1 else sum_partials(part, torch.empty(M, N))
+        assert torch.equal(y3, y2) and (n > 1) == (part.dim() == 3), (fmt, M, N, K, n)
+        # bulk-copy (TMA descriptor) loads: the same tiles, so the same bytes as per-thread loads in either
+        # layout; the swapped-operand layout (y^T = W x^T per tile): the same products summed in another
+        # order inside each 128-wide dot (the interpreter's dot is numpy's matmul into fp32: bit-equal in
+        # earlier CI runs, two elements one fp32 step apart in the 2026-12-03 run), so equal to fp32 rounding
+        if fmt == "fp32":
+            lay = {(sw, tma): small_m_linear(x, qw, ws, r, torch.float32, block_n=bn, split_k=split, prequant=pre,
+                                             block_m=bm, swap=sw, tma=tma) for sw in (False, True) for tma in (False, True)}
+            for sw in (False, True):
+                assert torch.equal(lay[(sw, True)], lay[(sw, False)]), (fmt, M, N, K, sw)
+            assert torch.equal(lay[(M <= 16, False)], y2), (fmt, M, N, K)  # the default layout is the plan's
+            rel = float((lay[(True, False)] - lay[(False, False)]).abs().max() / ref.abs().max())
+            assert rel < 1e-6, (fmt, M, N, K, rel)
+    from megatron_jetrl.kernels.triton_gemm import _LOCKS
+    assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())  # counters left at zero
+    # fc2 of a gated MLP: x = [gate | up], the activation SwiGLU(x) quantized by the fused quantizer
+    from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
+    for M, N, K in ((16, 256, 384), (40, 130, 300)):
+        gu = torch.randn(M, 2 * K, generator=g) * 2
+        qw, ws = quantize_weight(torch.randn(N, K, generator=g), r)
+        y, q, s = small_m_linear(gu, qw, ws, r, torch.float32, return_quantized=True, swiglu=True)
+        qr, sr = swiglu_quant_triton(gu, r)
+        assert y.shape == (M, N) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        ref = block_gemm(qr, sr, qw, ws, "emulated", out_dtype=torch.float32)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (fmt, M, N, K)
+    # the quantizer's launch plans (rows x groups per program, warps): the same bytes and scales for every
+    # plan, K not a multiple of the groups a program covers, rows not a multiple of its row tile
+    for M, K in ((37, 1000), (5, 640)):
+        x = torch.randn(M, K, generator=g) * 5
+        for col_major in (False, True):
+            q0, s0 = quantize_act_triton(x, r, col_major, plan=(4, 1, 4))
+            for plan in ((16, 4, 4), (8, 2, 8, 1), (32, 8, 4)):
+                q1, s1 = quantize_act_triton(x, r, col_major, plan=plan)
+                assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0), (M, K, plan)
+                assert s1.stride() == s0.stride()
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_fused_swiglu_quant_kernel_under_the_interpreter():
+    """The fused SwiGLU + 1x128 quantization Triton kernel (CUDA in production) under Triton's CPU
+    interpreter on fp32 input: the bytes and scales of the unfused SwiGLU + Triton quantizer. (The
+    interpreter rounds fp32 -> bf16 differently from the GPU, so bf16 input is checked on the H200,
+    tests/test_gpu_*.py; its exp is numpy's, one ulp off torch's at times, so the reference SwiGLU
+    here uses numpy's exp too.)"""
+    import subprocess
+    import sys
+
+    code = r'''
+import numpy as np
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, swiglu_quant_triton, swiglu_triton
+def swiglu(y):
+    g, u = y.chunk(2, -1)
+    g = g.numpy()
+    return torch.from_numpy(g / (np.float32(1) + np.exp(-g))) * u
+for M, F in ((37, 300), (4, 256), (1, 1000)):  # the BF16 path's one-kernel SwiGLU (fp32 here: exact)
+    y = torch.randn(M, 2 * F, generator=torch.Generator().manual_seed(M)) * 3
+    assert torch.equal(swiglu_triton(y), swiglu(y)), (M, F)
+    assert torch.equal(swiglu_triton(y.view(1, M, 2 * F)), swiglu(y).view(1, M, F))
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, F in ((37, 300), (4, 256)):
+        y = torch.randn(M, 2 * F, generator=torch.Generator().manual_seed(M)) * 3
+        y[0, :F] = 0.0  # a zero gate row: zero group, eps scale
+        for col_major in (False, True):
+            q, s = swiglu_quant_triton(y, r, col_major)
+            qr, sr = quantize_act_triton(swiglu(y), r, col_major)
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, F)
+            assert s.stride() == sr.stride()
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
+    """The fused SwiGLU backward and the FP8 byte transpose (CUDA in production) under Triton's CPU
+    interpreter: the transpose's bytes equal ``x.t().contiguous()`` (partial tiles included); wgrad's
+    transposed 1x128 quantizer writes what the 1x128 quantizer writes for ``x^T`` (kernel to kernel); the
+    backward equals the torch statement in fp32 to fp32 rounding (the interpreter's exp is numpy's;
+    bf16 output is checked on the H200, tests/test_gpu_*.py)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.quant import swiglu_backward
+from megatron_jetrl.kernels.triton_quant import swiglu_backward_triton, transpose_bytes_triton
+g = torch.Generator().manual_seed(0)
+for R, C in ((300, 77), (128, 256), (1, 5)):
+    x = (torch.randn(R, C, generator=g) * 100).to(torch.float8_e4m3fn)
+    t = transpose_bytes_triton(x)
+    assert t.shape == (C, R) and t.is_contiguous() and torch.equal(t.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, quantize_transposed_triton
+r = FP8Recipe(mode="jet")
+for R, C in ((300, 200), (128, 128)):  # wgrad's dy^T quantizer (transposed store) == the 1x128 quantizer on x^T
+    x = torch.randn(R, C, generator=g) * 3
+    q, s = quantize_transposed_triton(x, r, tile_scale=False)
+    qr, sr = quantize_act_triton(x.t().contiguous(), r)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (R, C)
+for M, F in ((37, 600), (4, 256)):
+    y = torch.randn(M, 2 * F, generator=g) * 3
+    da = torch.randn(M, F, generator=g)
+    dy = swiglu_backward_triton(y, da)
+    ref = swiglu_backward(y, da, use_triton=False)
+    assert dy.shape == ref.shape and dy.dtype == ref.dtype
+    torch.testing.assert_close(dy, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(dy[:, :F], torch.zeros_like(dy[:, :F]))
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_dual_gradient_quantizer_under_the_interpreter():
+    """The backward's one-pass gradient quantizer under Triton's CPU interpreter, kernel to kernel: the
+    same bytes and scales as the 1x128 quantizer (dgrad operand, both scale layouts) and the transposed
+    1x128 quantizer (wgrad operand), ragged shapes included (fp32: the interpreter's bf16 rounding is not the
+    GPU's; bf16 bytes are checked on the H200, tests/test_gpu_*.py); a malformed plan is refused; the wgrad operands padded to
+    512 tokens in the kernels'
+    buffers (``pad_to``) hold the same bytes and scales in front and zero bytes of scale 1 behind, and so do
+    the torch path's."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton, quantize_dual_triton, quantize_transposed_triton
+g = torch.Generator().manual_seed(0)
+same = lambda a, b: a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, N in ((300, 200), (128, 256), (1, 5)):
+        d = torch.randn(M, N, generator=g) * 3
+        d[:, :7] *= 50  # groups of very different range
+        for cm, plan in ((False, (128, 8)), (True, (32, 4)), (True, (128, 8))):  # one tile / RB-row chunks
+            q, s, qt, st = quantize_dual_triton(d, r, cm, plan=plan)
+            qr, sr = quantize_act_triton(d, r, cm)
+            qtr, str_ = quantize_transposed_triton(d, r, tile_scale=False)
+            assert same(q, qr) and torch.equal(s, sr) and s.stride() == sr.stride(), (M, N, cm)
+            assert same(qt, qtr) and torch.equal(st, str_), (M, N, cm)
+# the wgrad operands padded to 512 tokens in the kernels' own buffers (gemm.wgrad_token_pad): the same bytes and
+# scales in front, zero bytes with scale 1 behind; the torch path pads alike
+from megatron_jetrl.precision.quant import quantize_transposed
+r = FP8Recipe(mode="jet")
+pad_ok = lambda qp, sp, q, s_: (qp.shape[1] % 512 == 0 and same(qp[:, : q.shape[1]].contiguous(), q)
+                                and not qp.view(torch.uint8)[:, q.shape[1]:].any() and torch.equal(sp[:, : s_.shape[1]], s_)
+                                and bool((sp[:, s_.shape[1]:] == 1).all()) and sp.shape[1] == qp.shape[1] // 128)
+for M, N in ((300, 200), (600, 256), (512, 128)):
+    d = torch.randn(M, N, generator=g) * 3
+    qt, st = quantize_dual_triton(d, r, True)[2:]
+    qtp, stp = quantize_dual_triton(d, r, True, pad_to=512)[2:]
+    assert pad_ok(qtp, stp, qt, st) and (qtp.shape[1] == M) is (M % 512 == 0), (M, N)
+    for tile in (False, True):
+        for xs_ in (None, quantize_act_triton(d, r)):
+            src = d if xs_ is None else xs_[0]
+            q, s_ = quantize_transposed_triton(src, r, tile, None if xs_ is None else xs_[1])
+            qp, sp = quantize_transposed_triton(src, r, tile, None if xs_ is None else xs_[1], pad_to=512)
+            assert pad_ok(qp, sp, q, s_), (M, N, tile)
+            # the torch path (its FP8 casts round like the GPU's, not like the interpreter's: compared on the H200)
+            qc, sc = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False)
+            qcp, scp = quantize_transposed(src, r, tile, None if xs_ is None else xs_[1], use_triton=False, pad_to=512)
+            assert pad_ok(qcp, scp, qc, sc) and qcp.shape == qp.shape and scp.shape == sp.shape, (M, N, tile)
+try:
+    quantize_transposed_triton(d, r, False, pad_to=200)
+    raise SystemExit("pad_to not a multiple of the group accepted")
+except ValueError as e:
+    assert "multiple of the group size" in str(e)
+for bad in ((100, 4), (128, 3)):
+    try:
+        quantize_dual_triton(d, r, True, plan=bad)
+        raise SystemExit("bad plan accepted")
+    except ValueError as e:
+        assert "dual quantizer plan" in str(e)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_rope_and_cache_kernel_under_the_interpreter():
+    """The static decoder's RoPE + KV-cache kernel (CUDA in production) under Triton's CPU
+    interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's; tests/test_gpu_*.py checks
+    bf16 bytes on the H200): q in place and the cache columns equal megatron-core's unfused RoPE
+    (``_apply_rotary_pos_emb_bshd``) plus ``index_copy_``, and :func:`rope_torch` (the CPU path)
+    equals megatron's too; partial rotary, GQA, prefill (S > 1) and the strided views of the fused
+    QKV split; cache columns outside the positions untouched."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
+g = torch.Generator().manual_seed(0)
+for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g)
+    q, k, v = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    L, pos = 12, 3
+    idx = pos + torch.arange(S)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(L).float(), inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :].index_select(0, idx)
+    kc_ref, vc_ref = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+    kc, vc = kc_ref.clone(), vc_ref.clone()
+    q_ref, k_ref = _apply_rotary_pos_emb_bshd(q, freqs), _apply_rotary_pos_emb_bshd(k, freqs)
+    kc_ref.index_copy_(2, idx, k_ref.permute(1, 2, 0, 3))
+    vc_ref.index_copy_(2, idx, v.permute(1, 2, 0, 3))
+    cos, sin = rope_tables(freqs, torch.float32)
+    assert torch.equal(rope_torch(q, cos, sin), q_ref) and torch.equal(rope_torch(k, cos, sin), k_ref)
+    q_in = q.clone()
+    rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx)
+    assert torch.equal(q_in, q_ref), (S, (q_in - q_ref).abs().max())
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (S, b, H, G, D, rot)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_training_rope_kernel_under_the_interpreter():
+    """The training RoPE (``kernels/rope_train.py``, CUDA in production) under Triton's CPU interpreter, fp32:
+    its forward and its autograd backward equal megatron-core's unfused RoPE and that statement's eager
+    autograd gradient (same ops, same order), for the strided q/k views of the fused QKV split,
+    partial rotary and more heads than one program holds; ``fused_rope`` on CPU tensors is megatron's
+    eager function."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron_jetrl.kernels import rope_train as rope
+g = torch.Generator().manual_seed(0)
+for S, b, H, G, D, rot in ((3, 2, 4, 2, 16, 16), (2, 1, 40, 8, 128, 64)):
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g)
+    q, k, _ = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(S).float() + 5, inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :]
+    for t in (q, k):
+        dy = torch.randn(t.shape, generator=g)
+        x_ref = t.detach().clone().requires_grad_()
+        y_ref = _apply_rotary_pos_emb_bshd(x_ref, freqs)
+        y_ref.backward(dy)
+        x = t.detach().requires_grad_()
+        y = rope.rope_kernel_apply(x, freqs)
+        y.backward(dy)
+        assert torch.equal(y, y_ref), (S, H, D, rot, (y - y_ref).abs().max())
+        assert torch.equal(x.grad, x_ref.grad), (S, H, D, rot, (x.grad - x_ref.grad).abs().max())
+    assert torch.equal(rope.fused_rope(q, freqs), _apply_rotary_pos_emb_bshd(q, freqs))  # CPU: eager
+# the cos/sin tables: once per freqs tensor (megatron hands every layer the same one), again after it changes
+calls, real = [], rope.rope_tables
+rope.rope_tables = lambda *a: calls.append(1) or real(*a)
+freqs2 = freqs.clone()
+ref = rope.rope_kernel_apply(q, freqs2)
+assert torch.equal(rope.rope_kernel_apply(q, freqs2), ref) and len(calls) == 1
+assert rope._tables(freqs2, torch.float64)[0].dtype == torch.float64 and len(calls) == 2  # per dtype
+freqs2.mul_(0.5)  # changed in place: new tables
+assert torch.equal(rope.rope_kernel_apply(q, freqs2), _apply_rotary_pos_emb_bshd(q, freqs2)) and len(calls) == 3
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_triton_rmsnorm_under_the_interpreter():
+    """The one-kernel RMSNorm (CUDA in production, ``kernels/rmsnorm.py``) under Triton's CPU
+    interpreter, fp32: forward equals torch's ``rms_norm`` to fp32 rounding, each row's bytes do not
+    depend on how many rows the call has (the trainer's forward and a decode step give the same
+    bytes), and the autograd backward matches torch's to fp32 rounding."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.kernels.rmsnorm import RMSNormFunction, rmsnorm_backward, rmsnorm_forward
+g = torch.Generator().manual_seed(0)
+# the backward kernel alone where a program takes 3 rows (M > 1024), against torch's autograd
+x = torch.randn(2050, 96, generator=g) * 3
+w, dy = torch.randn(96, generator=g), torch.randn(2050, 96, generator=g)
+dx, dw = rmsnorm_backward(x, dy, w, torch.rsqrt(x.pow(2).mean(-1) + 1e-6))
+xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+torch.rms_norm(xb, (96,), wb, 1e-6).backward(dy)
+assert torch.allclose(dx, xb.grad, rtol=1e-4, atol=1e-5) and torch.allclose(dw, wb.grad, rtol=1e-4, atol=1e-4)
+for M, N in ((37, 96), (5, 4096), (3, 300)):
+    x = torch.randn(M, N, generator=g) * 3
+    w = torch.randn(N, generator=g)
+    y, rstd = rmsnorm_forward(x, w, 1e-6)
+    ref = torch.rms_norm(x, (N,), w, 1e-6)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5), (M, N, (y - ref).abs().max())
+    assert torch.allclose(rstd, torch.rsqrt(x.pow(2).mean(-1) + 1e-6), rtol=1e-6)
+    for r in (0, M - 1):  # batch invariance: the row alone gives the same bytes
+        assert torch.equal(rmsnorm_forward(x[r:r + 1].clone(), w, 1e-6)[0][0], y[r])
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn(M, N, generator=g)
+    RMSNormFunction.apply(xa, wa, 1e-6).backward(dy)
+    torch.rms_norm(xb, (N,), wb, 1e-6).backward(dy)
+    assert torch.allclose(xa.grad, xb.grad, rtol=1e-4, atol=1e-5), (xa.grad - xb.grad).abs().max()
+    assert torch.allclose(wa.grad, wb.grad, rtol=1e-4, atol=1e-4), (wa.grad - wb.grad).abs().max()
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_fused_add_rmsnorm_quant_under_the_interpreter():
+    """The decoder's fused residual add + RMSNorm + 1x128 quantizer (CUDA in production) under
+    Triton's CPU interpreter, fp32: the sum is torch's ``h + d``, the norm output is the RMSNorm
+    kernel's (same bytes as without the add and the quantizer), the FP8 bytes and scales are the
+    activation quantizer's on that output (kernel-to-kernel: the interpreter's own E4M3 cast is
+    used by both), fp32 and ue8m0 scales, row- and column-major; a split-K GEMM's partials as the delta
+    give the bytes of their sum kernel's output as the delta."""
+    import subprocess
+    import sys
+
+    code = r'''
+import torch
+from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant, rmsnorm_forward
+from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
+g = torch.Generator().manual_seed(0)
+for fmt in ("fp32", "ue8m0"):
+    r = FP8Recipe(mode="jet", scale_fmt=fmt)
+    for M, N in ((5, 384), (1, 256)):
+        h = torch.randn(M, N, generator=g) * 2
+        d = torch.randn(M, N, generator=g)
+        w = torch.randn(N, generator=g)
+        h2, y, (q, s) = add_rmsnorm_quant(h, d, w, 1e-5, r)
+        assert torch.equal(h2, h + d)
+        y_ref, _ = rmsnorm_forward(h + d, w, 1e-5)
+        assert torch.equal(y, y_ref)
+        qr, sr = quantize_act_triton(y_ref, r)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (fmt, M, N)
+        # column-major scales (cuBLAS's layout, as quantize_act(..., scale_col_major=True) writes them)
+        _, _, (qc, sc) = add_rmsnorm_quant(h, d, w, 1e-5, r, scale_col_major=True)
+        qrc, src = quantize_act_triton(y_ref, r, True)
+        assert sc.stride() == src.stride() == (1, M) and torch.equal(sc, sr) and torch.equal(sc, src)
+        assert torch.equal(qc.view(torch.uint8), q.view(torch.uint8))
+        h3, y3, none = add_rmsnorm_quant(h, None, w, 1e-5)
+        assert none is None and h3.data_ptr() == h.data_ptr() and torch.equal(y3, rmsnorm_forward(h, w, 1e-5)[0])
+        # delta as split-K partials (deferred sum): the bytes of the sum kernel's output as delta
+        from megatron_jetrl.kernels.triton_gemm import sum_partials
+        parts = torch.randn(3, M, N, generator=g)
+        dsum = sum_partials(parts, torch.empty(M, N))
+        assert torch.equal(dsum, parts[0] + parts[1] + parts[2])
+        h4, y4, (q4, s4) = add_rmsnorm_quant(h, parts, w, 1e-5, r, delta_splits=3)
+        h5, y5, (q5, s5) = add_rmsnorm_quant(h, dsum, w, 1e-5, r)
+        assert torch.equal(h4, h5) and torch.equal(y4, y5) and torch.equal(q4.view(torch.uint8), q5.view(torch.uint8))
+        assert torch.equal(s4, s5)
+print("ok")
+'''
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
