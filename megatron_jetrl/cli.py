@@ -88,7 +88,8 @@ def cmd_eval(args) -> int:
             *shape, f"checkpoint.load_path={args.checkpoint}", f"data.val_path={json.dumps(args.data)}", "steps=1",
             "algo.sft_warmup_steps=0", "eval.interval=1", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
             *args.overrides])
-        from megatron_jetrl.train import close, evaluate, setup
+        from megatron_jetrl.run import close, setup
+        from megatron_jetrl.train import evaluate
 
         run = setup(cfg)
         try:

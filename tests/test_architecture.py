@@ -20,7 +20,7 @@ FLOORS = [
     ("models",),
     ("data", "rewards", "metrics", "trainer", "sync", "rollout"),
     ("scheduler",),
-    ("train", "launch", "bench", "cli"),
+    ("run", "train", "launch", "bench", "cli"),
 ]
 
 

@@ -28,7 +28,8 @@ PHASES = ("rollout", "logprob", "train", "weight_sync")
 
 def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from megatron_jetrl.config import load_config
-    from megatron_jetrl.train import close, rl_step, setup
+    from megatron_jetrl.run import close, setup
+    from megatron_jetrl.train import rl_step
 
     # the hand-over is timed without the optional hash-parity verification (sha256 of every FP8
     # tensor on the host, both sides: seconds on an 8B model); pass logging.parity_interval=N to include it
