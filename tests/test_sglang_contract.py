@@ -67,8 +67,9 @@ def _fleet(sg, mode: str, transport: str = "distributed"):
                              "rollout.n_samples_per_prompt=4", "rollout.prompts_per_step=2",
                              f"logging.run_dir={sg.tmp}"])
     fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(sg.tmp), None, colocated=mode == "colocated")
-    fleet._ensure_group = lambda up: None  # no process group in one process: buckets go on each server's wire
-    fleet._broadcast = lambda flat: [s.wire.put(flat.clone()) for s in sg.servers.values()]
+    push = fleet.pushers["distributed"]
+    push.ensure_group = lambda up: None  # no process group in one process: buckets go on each server's wire
+    push.broadcast = lambda flat: [s.wire.put(flat.clone()) for s in sg.servers.values()]
     fleet.start()
     return cfg, fleet
 

@@ -246,6 +246,9 @@ class LocalEngine:
         """In process the weights are the trainer's own: nothing is pushed (``update_weights``)."""
         raise NotImplementedError("the in-process engine runs the trainer's weights; use update_weights")
 
+    def heal(self) -> int:
+        return 0  # nothing to restart in process
+
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the static decoder's KV cache and CUDA graphs (rebuilt by the next ``generate``)."""
         self._decoder = None

@@ -24,12 +24,10 @@ Only global rank 0 launches, restarts and pushes; every data-parallel rank sends
 """
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,7 +45,7 @@ from megatron_jetrl.distributed import free_port
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
 from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, compare
-from megatron_jetrl.sync.transport import bucketize, host_copy, nbytes
+from megatron_jetrl.sync.server_push import DistributedBroadcastPush, TensorBucketPush
 
 log = logging.getLogger("jetrl.fleet")
 
@@ -399,7 +397,9 @@ class RolloutFleet:
         self.cfg, self.recipe, self.run_dir, self.colocated = cfg, recipe, run_dir, colocated
         self.weight_version = 0
         self.metrics: dict = {}
-        self.group_name, self._group, self._group_members = "jetrl_weight_update", None, ()
+        bucket_bytes = cfg.rollout.bucket_mb << 20
+        # the transports that move tensors (sync/server_push.py); disk goes through the run's disk_push
+        self.pushers = {"tensor": TensorBucketPush(bucket_bytes), "distributed": DistributedBroadcastPush(bucket_bytes)}
         self.lock = threading.Lock()
         r = cfg.rollout
         self.servers: list[Server] = []
@@ -465,11 +465,8 @@ class RolloutFleet:
             self._release(s, list(MEMORY_TAGS))
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(self._group)
-            self._group = None
+        for pusher in self.pushers.values():
+            pusher.close([])  # this process's side of a weight-update group; the servers stop below
         for s in self.servers + ([self.router] if self.router is not None else []):
             if s.cmd:
                 s.stop()
@@ -541,7 +538,7 @@ class RolloutFleet:
             s.start()
             s.wait_healthy(self.cfg.rollout.health_timeout_s)
             self._ready(s)
-            self._group_members = ()  # the broadcast group lost a member: rebuild it at the next push
+            self.pushers["distributed"].members = ()  # the broadcast group lost a member: rebuilt at the next push
         self.metrics["fleet_restarts"] = sum(s.restarts for s in self.servers)
         return len(dead)
 
@@ -567,7 +564,7 @@ class RolloutFleet:
             self._each(up, lambda s: s.client.begin_weight_update(), tolerate=True)
             up = [s for s in up if s.up]
             try:
-                sent = (self._push_tensor if transport == "tensor" else self._push_distributed)(up, version, items)
+                sent = self.pushers[transport].send(up, version, items, lambda ss, fn: self._each(ss, fn, tolerate=True))
             finally:  # closed even when a bucket failed: SGLang refuses the next begin while one is open
                 self._each(up, self._end_session)
         self.weight_version = version
@@ -613,83 +610,6 @@ class RolloutFleet:
         if tolerate and servers and not any(s.up for s in servers):
             raise ServerError("no rollout server is up (see rollout_logs/ in the run directory)")
         return out
-
-    def _push_tensor(self, up: list[Server], version: int, items) -> int:
-        from safetensors.torch import save as st_save
-
-        total, buckets = 0, bucketize(items, self.cfg.rollout.bucket_mb << 20)
-        bucket = next(buckets, None)
-        while bucket is not None:  # one bucket in memory at a time (plus the next one's tensors as they stream)
-            nxt = next(buckets, None)
-            payload = base64.b64encode(st_save({n: host_copy(t) for n, t in bucket})).decode()
-            total += sum(nbytes(t) for _, t in bucket)
-            last = nxt is None
-            self._each([s for s in up if s.up], lambda s: s.client.update_weights_from_tensor(
-                [payload], "jetrl_safetensors", str(version), last), tolerate=True)
-            bucket = nxt
-        return total
-
-    def _ensure_group(self, up: list[Server]) -> None:
-        import torch.distributed as dist
-
-        from megatron_jetrl.distributed import init_custom_group
-
-        members = tuple(s.client.url for s in up)
-        if self._group is not None and members == self._group_members:
-            return
-        if self._group is not None:
-            for s in up:
-                try:
-                    s.client.destroy_weights_update_group(self.group_name)
-                except ServerError:
-                    pass
-            dist.destroy_process_group(self._group)
-            self._group = None
-        offset = 1
-        for s in up:
-            s.rank_offset, offset = offset, offset + s.tp
-        world, port = offset, free_port()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        with ThreadPoolExecutor(len(up)) as ex:
-            futs = [ex.submit(s.client.init_weights_update_group, "127.0.0.1" if s.client.url.startswith("http://127.")
-                              else socket.gethostbyname(socket.gethostname()), port, s.rank_offset, world,
-                              self.group_name, backend) for s in up]
-            self._group = init_custom_group(backend, "0.0.0.0" if not all("127.0.0.1" in s.client.url for s in up)
-                                            else "127.0.0.1", port, 0, world, self.group_name)
-            for f in futs:
-                f.result()
-        self._group_members = members
-
-    def _broadcast(self, flat: torch.Tensor) -> None:
-        """One bucket, from this process (rank 0) to every server rank of the weight-update group."""
-        import torch.distributed as dist
-
-        dist.broadcast(flat, src=0, group=self._group)
-
-    def _push_distributed(self, up: list[Server], version: int, items) -> int:
-        from megatron_jetrl.sync.sglang_bucket import aligned_order, sglang_bucket_class
-
-        self._ensure_group(up)
-        cls, total = sglang_bucket_class(), 0
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        buckets = bucketize(items, self.cfg.rollout.bucket_mb << 20)
-        bucket = next(buckets, None)
-        while bucket is not None:
-            nxt = next(buckets, None)
-            bucket = aligned_order([(n, t.to(dev)) for n, t in bucket])
-            b = cls(named_tensors=bucket)
-            names = [n for n, _ in bucket]
-            dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
-            shapes = [list(t.shape) for _, t in bucket]
-            with ThreadPoolExecutor(len(up)) as ex:  # the servers block in the broadcast until we send
-                futs = [ex.submit(s.client.update_weights_from_distributed, names, dtypes, shapes, str(version),
-                                  self.group_name, nxt is None) for s in up]
-                self._broadcast(b.get_flattened_tensor())
-                for f in futs:
-                    f.result()
-            total += sum(nbytes(t) for _, t in bucket)
-            bucket = nxt
-        return total
 
     # -- memory (colocated)
     def _release(self, s: Server, tags: list[str]) -> None:
