@@ -2,7 +2,7 @@
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the math. On a
 machine without CUDA, :func:`enable_cpu_megatron` redirects exactly those calls (found by running
-megatron-core 0.19.2 on CPU; see ../shared/MEGATRON_CPU_FACTS.md):
+megatron-core 0.19.2 on CPU):
 
 | call | where megatron-core makes it | redirected to |
 | --- | --- | --- |

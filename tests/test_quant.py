@@ -69,7 +69,7 @@ def test_quantized_weights_vs_sglang_and_modelopt_references():
     block quantizer on a [1000, 1300] weight (not 128-aligned) with a zero block and a block of
     magnitude 1e-6. Differences, all explained:
     - ordinary blocks: FP8 bytes identical to all of them, ue8m0 scales identical; fp32 scales
-      equal or one float32 ulp apart: the contract (shared/DESIGN.md) is SGLang's CUDA activation
+      equal or one float32 ulp apart: the contract (docs/architecture.md) is SGLang's CUDA activation
       kernel's ``amax * fp32(1/448)``, so the rollout's activation scales equal the trainer's;
       these Python references divide (``amax / 448``). Weight scales travel with the weights, so
       the rollout never recomputes them;

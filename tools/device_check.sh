@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, linear benchmarks, mismatch study, a GPU smoke run of the RL loop;
-# outputs under $OUT. Usage (device tool, .whl carried with megatron-core's cp312 wheel):
+# GPU checks on one CUDA machine: GPU tests, linear benchmarks, mismatch study, rollout / training / RL-step benchmarks;
+# tables and plots under $OUT (default gpu_out/). megatron-core: installed already, or its wheel in .whl/ (installed
+# into /tmp/site). Usage:
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
-# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; .dg carried), part
+# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
 # (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
 export PYTHONUNBUFFERED=1
-# DeepGEMM's kernels (tools/build_deepgemm_sm90.py --out .dg, carried): precision.decode_gemm=tune can pick them
+# DeepGEMM's kernels (tools/build_deepgemm_sm90.py --out .dg): precision.decode_gemm=tune can pick them
 [ -f .dg/libjetrl_deepgemm_sm90.so ] && export JETRL_DEEPGEMM_DIR=$PWD/.dg
 want() { [ $# -eq 0 ] || [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
 PARTS="$*"

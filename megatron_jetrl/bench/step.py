@@ -3,7 +3,7 @@ re-quantization, weight hand-over) per precision mode, side by side in one run. 
 recompute is a phase of its own only with ``algo.recompute_logprobs=true`` (the paper's training
 phase); by default the training forward supplies the old logprobs and ``logprob`` is ~0.
 
-Each mode runs the same preset (same seed, prompts, batch sizes) colocated on this machine with the
+Each mode runs the same preset (same seed, prompts, batch sizes) colocated on one machine with the
 in-process engine, for ``--steps`` measured RL steps after ``--warmup`` steps. It prints the median
 time of each phase, the end-to-end step time and the ratio to ``bf16`` measured in the same run,
 the share of FP8 re-quantization + hand-over in the step, the peak CUDA memory, and writes one

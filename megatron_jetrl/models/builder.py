@@ -1,7 +1,7 @@
 """``ModelConfig`` (HF-style description) -> megatron-core ``GPTModel`` on our layer spec.
 
 The TransformerConfig below is what gives logits parity with transformers for llama, qwen2,
-qwen3 and qwen3_moe (shared/MEGATRON_CPU_FACTS.md): RMSNorm, SwiGLU as a gated fc1, no linear
+qwen3 and qwen3_moe: RMSNorm, SwiGLU as a gated fc1, no linear
 biases except qwen2's QKV bias, qwen3's QK-norm, RoPE with the model's theta, GQA through
 ``num_query_groups``, and every fusion off (the fused kernels are CUDA/TE only).
 """

@@ -4,7 +4,7 @@
   fc1 (gate/up), fc2 and the experts;
 - core attention on ``torch.nn.functional.scaled_dot_product_attention`` (flash/efficient kernels
   on GPU). megatron-core's local ``DotProductAttention`` materializes the S x S scores: 3x slower
-  and 4.6x the memory at 8K on the H200 (shared/H200_FP8_FACTS.md).
+  and 4.6x the memory at 8K on the H200.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Block quantizers: activations and gradients in 1x128 groups, weights in 128x128 blocks.
 
-The rule (DESIGN.md, numerics contract; SGLang's CUDA ``per_token_group_quant_8bit``):
+The rule (docs/architecture.md, the numerics contract; SGLang's CUDA ``per_token_group_quant_8bit``):
 
     amax      = max(eps, max |x|) over the block               (float32)
     fp32:     scale_inv = amax * fp32(1/448);  q = e4m3(clamp(x * fp32(448 / amax), -448, 448))

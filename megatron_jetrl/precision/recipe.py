@@ -1,5 +1,5 @@
-"""``FP8Recipe``: the single source of truth for the FP8 numbers (see the numerics contract in
-DESIGN.md). Training, rollout, weight export, checkpoint conversion, the SGLang launch
+"""``FP8Recipe``: the single source of truth for the FP8 numbers (the numerics contract,
+docs/architecture.md). Training, rollout, weight export, checkpoint conversion, the SGLang launch
 arguments, the HF ``quantization_config`` and the TransformerEngine settings are all derived
 from one instance; nothing else re-states these numbers.
 """

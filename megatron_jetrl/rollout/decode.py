@@ -1,7 +1,7 @@
 """Static-shape decoding over the trainer's megatron-core model, CUDA-graph captured.
 
 megatron-core's eager decode (``StaticInferenceContext``) costs about 20x the weight-bandwidth
-bound on the H200 (shared/H200_FP8_FACTS.md): every token walks Python through 32 layers and
+bound on the H200: every token walks Python through 32 layers and
 launches a few hundred kernels, and the attention's key length grows by one per token, so nothing
 can be captured. ``StaticDecoder`` runs the same modules (embedding, norms, ``linear_qkv``,
 ``linear_proj``, MLP, output layer: so the same FP8 linears on the same cached weight bytes) around
