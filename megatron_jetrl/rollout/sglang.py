@@ -471,6 +471,12 @@ class RolloutFleet:
             if s.cmd:
                 s.stop()
 
+    def assume_up(self) -> None:
+        """On a rank that does not talk to the servers: every server counts as up (rank 0 attached to them, or
+        restarted whatever was down before a push)."""
+        for s in self.servers:
+            s.up = True
+
     @property
     def urls(self) -> list[str]:
         return [s.client.url for s in self.servers]
@@ -660,6 +666,5 @@ def start_fleet(cfg, recipe, model_dir: str) -> "RolloutFleet":
 
         attached = dataclasses.replace(cfg.rollout, server_addresses=urls[0])
         fleet = RolloutFleet(dataclasses.replace(cfg, rollout=attached), recipe, cfg.logging.run_dir, None, False)
-        for srv in fleet.servers:
-            srv.up = True
+        fleet.assume_up()
     return fleet

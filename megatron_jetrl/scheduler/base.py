@@ -1,4 +1,5 @@
-"""The scheduler's common part (``scheduler.mode`` picks a subclass: ``colocated.py``, ``disaggregated.py``)."""
+"""The scheduler's common part (``scheduler.mode`` picks a subclass: ``colocated.py``, ``disaggregated.py``,
+``asynchronous.py``)."""
 from __future__ import annotations
 
 import torch
@@ -41,13 +42,11 @@ class Scheduler:
         return samples, [run.tokenizer.encode_prompt(s.prompt) for s in samples for _ in range(n)]
 
     def _generate(self, step: int, prompts, params=None):
-        """This DP rank's generations (with ``params``, default the run's sampling). The in-process engine runs on every
-        rank (its forward is model
-        parallel). A fleet is asked once per DP rank: by the first rank of the model-parallel group (the
-        TP x PP ranks that train the same sequences), the others get ``None`` here and the result from
-        :meth:`_share`. Each rank asking for itself sent every request TP x PP times (16 times on the 70B
-        plan's TP=8 x PP=2) and left the stages' batches equal only as far as the servers' seeded sampling
-        is deterministic across batch compositions."""
+        """This DP rank's generations (with ``params``, default the run's sampling). The in-process engine runs on
+        every rank (its forward is model parallel). A fleet is asked once per DP rank, by the first rank of the
+        model-parallel group (the TP x PP ranks that train the same sequences); the others get ``None`` here and
+        the result from :meth:`_share` (each rank asking for itself would send every request TP x PP times and
+        leave the stages' batches equal only as far as the servers' seeded sampling is batch invariant)."""
         run = self.run
         params = params or run.sampling
         rank, dp = dp_rank_size()

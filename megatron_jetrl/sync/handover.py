@@ -75,6 +75,5 @@ def hand_over_weights(run, version: int) -> dict:
         dist.broadcast_object_list(box, src=0)
         m = box[0]
     if not is_rank0():  # rank 0 restarted whatever was down: every server is back for every rank
-        for srv in fleet.servers:
-            srv.up = True
+        fleet.assume_up()
     return m
