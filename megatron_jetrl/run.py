@@ -11,14 +11,16 @@ import torch.distributed as dist
 from megatron_jetrl.config import ConfigError, JetConfig, save_config
 from megatron_jetrl.data.dataset import check_prompts, stop_token_ids, train_samples, val_samples
 from megatron_jetrl.data.prompts import PromptStream
-from megatron_jetrl.data.tokenizer import load_tokenizer
+from megatron_jetrl.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from megatron_jetrl.distributed import dp_rank_size, is_logging_rank, is_rank0
 from megatron_jetrl.metrics.logger import MetricsLogger
 from megatron_jetrl.models.builder import DTYPES, apply_precision_settings, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rewards import get_reward
+from megatron_jetrl.rewards.registry import RewardFn
 from megatron_jetrl.rollout.base import RolloutEngine, SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
+from megatron_jetrl.scheduler import Scheduler, make_scheduler
 from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
@@ -31,16 +33,16 @@ log = logging.getLogger("jetrl")
 @dataclass
 class Run:
     cfg: JetConfig
-    tokenizer: object
+    tokenizer: CharTokenizer | HFTokenizer
     actor: Actor
     engine: RolloutEngine
     stream: PromptStream
-    reward_fn: object
+    reward_fn: RewardFn
     logger: MetricsLogger | None
     sampling: SamplingParams
     start_step: int
     ckpt_dir: str
-    scheduler: object = None
+    scheduler: Scheduler | None = None  # made by setup, after the run (it holds the run)
     val: list = field(default_factory=list)  # held-out samples (eval), this DP rank's share
     gc_frozen: int = 0  # Python objects frozen at setup (``gc_freeze``); unfrozen by close()
 
@@ -106,8 +108,6 @@ def setup(cfg: JetConfig) -> Run:
     if cfg.eval.interval:
         rank, dp = dp_rank_size()
         run.val = val[rank::dp]
-    from megatron_jetrl.scheduler import make_scheduler
-
     run.scheduler = make_scheduler(run)
     if engine is None:  # last: a fleet starts from the trainer's current weights, written to the run dir
         model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))

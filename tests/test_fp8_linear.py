@@ -426,3 +426,29 @@ def test_wgrad_operands_padded_to_512_tokens_give_the_same_gradients(path, megat
     for n, ref in g0.items():
         assert ref.abs().sum() > 0, n
         torch.testing.assert_close(g1[n], ref, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_call_hints_hold_for_the_enclosed_calls_only(megatron_single):
+    """``FP8LinearMixin.hinted`` sets a linear's ``CallHints`` for the enclosed calls only: nested hints stack,
+    an exception inside restores the outer ones, another linear keeps its defaults, and a field that
+    ``CallHints`` does not have is refused."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.models.builder import build_model
+    from megatron_jetrl.precision.linear import CallHints
+
+    cfg = load_config(os.path.join(REPO, "examples/configs/tiny.yaml"), ["precision.mode=jet"])
+    model, _ = build_model(cfg.model, cfg.parallel, FP8Recipe.from_config(cfg.precision), torch.float32,
+                           backend="emulated")
+    qkv, fc1 = model.decoder.layers[0].self_attention.linear_qkv, model.decoder.layers[0].mlp.linear_fc1
+    pre = (torch.zeros(1, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
+    with qkv.hinted(rollout_layout_output=True):
+        assert qkv.hints == CallHints(rollout_layout_output=True) and fc1.hints == CallHints()
+        with pytest.raises(RuntimeError, match="inside"):
+            with qkv.hinted(prequantized_input=pre):
+                assert qkv.hints.rollout_layout_output and qkv.hints.prequantized_input is pre
+                raise RuntimeError("inside")
+        assert qkv.hints == CallHints(rollout_layout_output=True)
+    assert qkv.hints == CallHints() and qkv.hints is type(qkv).hints
+    with pytest.raises(TypeError):
+        with qkv.hinted(no_such_hint=True):
+            pass
