@@ -199,8 +199,19 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
                              f"rollout.router={str(router).lower()}",
                              "scheduler.mode=disaggregated", f"logging.run_dir={tmp_path}"])
     fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(tmp_path), fp8_dir, colocated=False)
+    taken = None
+    if router:  # another process binds the router's port before the router does: it starts on another one
+        import socket
+        from urllib.parse import urlparse
+
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", urlparse(fleet.router.client.url).port))
+        taken.listen()
+        first_url = fleet.router.client.url
     fleet.start()
     try:
+        if router:
+            assert fleet.router.up and fleet.router.client.url != first_url
         prompts = [[i % 50 + 1, 3, 5] for i in range(8)]
         reference = fleet.generate(prompts, PARAMS, seed=100)
         victim = fleet.servers[1]
@@ -236,6 +247,8 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
                 fleet.generate(prompts, PARAMS, seed=100)
     finally:
         fleet.shutdown()
+        if taken is not None:
+            taken.close()
 
 
 def test_fleet_restarts_a_hung_server(fp8_dir, tmp_path):

@@ -421,11 +421,27 @@ class RolloutFleet:
         offset = 1
         for s in self.servers:
             s.rank_offset, offset = offset, offset + s.tp
-        self.router: Optional[Server] = None
-        if r.router:
-            port = free_port()
-            self.router = Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s), router_argv(cfg, self.urls, port),
-                                 os.path.join(run_dir, "rollout_logs", "router.log"))
+        self.router: Optional[Server] = self._router(free_port()) if r.router else None
+
+    def _router(self, port: int) -> Server:
+        r = self.cfg.rollout
+        return Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s), router_argv(self.cfg, self.urls, port),
+                      os.path.join(self.run_dir, "rollout_logs", "router.log"))
+
+    def _start_router(self, attempts: int = 3) -> None:
+        """Start the router; its port was free when chosen, but another process may bind it before the router
+        does (the servers start first): then it starts again on a fresh port."""
+        for attempt in range(attempts):
+            self.router.start()
+            try:
+                self.router.wait_healthy(120)
+                return
+            except ServerError as e:
+                if "Address already in use" not in str(e) or attempt == attempts - 1:
+                    raise
+                log.warning("router port %s was taken before the router bound it; starting it on another port",
+                            self.router.client.url)
+                self.router = self._router(free_port())
 
     # -- lifecycle
     def start(self) -> None:
@@ -439,8 +455,7 @@ class RolloutFleet:
             for s in self.servers:
                 self._ready(s)
             if self.router is not None:
-                self.router.start()
-                self.router.wait_healthy(120)
+                self._start_router()
         except BaseException:
             self.shutdown()  # no orphan servers when one of them fails to start
             raise
