@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 from megatron_jetrl.precision.gemm import BackendUnavailable, block_gemm, resolve_backend
-from megatron_jetrl.models.hf_mapping import qkv_permutation
+from megatron_jetrl.precision.layout import qkv_permutation
 from megatron_jetrl.precision.linear import FP8LinearFunction
 from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, quantize_act,
                                             quantize_weight)

@@ -141,7 +141,7 @@ def test_qkv_training_order_reuses_the_rollout_blocks(tmp_path, megatron_single)
     # layers below can turn into a different E4M3 value here and there: close, not equal
     assert ((ge1 - ge0).norm() / ge0.norm()).item() < 1e-2
     # head_dim 64 (the default test models): 128-row blocks hold two heads -> no whole-block map
-    from megatron_jetrl.models.hf_mapping import qkv_permutation
+    from megatron_jetrl.precision.layout import qkv_permutation
     perm, _ = qkv_permutation(8 * 64 + 2 * 4 * 64, 2, 64)
     assert _whole_block_map(torch.argsort(perm), 128) is None
     perm, _ = qkv_permutation(4 * 128 + 2 * 2 * 128, 2, 128)

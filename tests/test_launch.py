@@ -202,7 +202,7 @@ def test_te_refuses_numerics_that_differ(over, env, pattern, monkeypatch):
 
 
 def test_te_weight_bytes_and_block_permutation_are_exact():
-    from megatron_jetrl.models.hf_mapping import qkv_permutation
+    from megatron_jetrl.precision.layout import qkv_permutation
     from megatron_jetrl.precision.quant import quantize_weight
     from megatron_jetrl.precision.recipe import FP8Recipe
     from megatron_jetrl.precision.te_backend import TEConfigError, block_rows_permute, te_weight_bytes

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron_jetrl.precision.layout import qkv_permutation  # noqa: F401  (re-exported)
+from megatron_jetrl.precision.layout import qkv_permutation
 
 
 @dataclass(frozen=True)
