@@ -10,7 +10,7 @@ with round-to-nearest-even into E4M3. Sizes that are not multiples of the block 
 SGLang does: the scale grid is ceil-divided and the last block is partial (padding never
 contributes to amax). Every function returns ``(q float8_e4m3fn, scale_inv float32)``.
 
-On CUDA, :func:`quantize_act` uses the fused Triton kernel of ``triton_quant.py`` (bit-identical,
+On CUDA, :func:`quantize_act` uses the fused Triton kernel of ``kernels/triton_quant.py`` (bit-identical,
 tested on the H200); the torch statement here is the reference and the CPU path.
 """
 from __future__ import annotations

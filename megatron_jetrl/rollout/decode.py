@@ -19,14 +19,14 @@ its own KV cache with static shapes:
   key count from the position tensor: keys ``0..pos`` only, no mask tensor, one graph for all lengths;
 - RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
   rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
-  layer (``triton_rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
+  layer (``kernels/rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
 - on CUDA the residual add and the RMSNorm are one kernel (``kernels/rmsnorm.py``; optionally with the next
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations).
 Sampling stays outside the graph (on the GPU, no host sync; one Triton kernel for temperature
-sampling, ``triton_sample.py``). Graphs are captured on first use of a bucket
+sampling, ``kernels/sample.py``). Graphs are captured on first use of a bucket
 and reused while the weight storage is unchanged (the FP8 cache refreshes in place; see
 ``fingerprint``). Dense models only: MoE routing is data dependent and runs eagerly.
 """
@@ -41,10 +41,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_jetrl.config import RolloutConfig
-from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
-from megatron_jetrl.models.norm import JetRMSNorm
-from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 from megatron_jetrl.env import triton_interpreted
+from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
+from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
+from megatron_jetrl.models.norm import JetRMSNorm
 
 log = logging.getLogger(__name__)
 
