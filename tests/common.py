@@ -174,3 +174,15 @@ def deepgemm_or_skip():
     if not ok:
         pytest.skip(f"DeepGEMM not available: {why}")
     return deepgemm
+
+
+def run_interpreted(code: str, *args: str, cwd: str | None = None) -> None:
+    """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
+    Triton is imported, hence a subprocess); it passes when it exits 0 after printing ``ok``."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=cwd)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

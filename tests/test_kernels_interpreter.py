@@ -1,8 +1,7 @@
 """The Triton kernels under Triton's CPU interpreter (subprocesses with TRITON_INTERPRET=1), kernel
 against its torch statement: small-M GEMM, fused SwiGLU quantizer, SwiGLU backward, transposes, the dual
 gradient quantizer, RoPE (decode and training), RMSNorm, the fused add + RMSNorm + quantizer."""
-import os
-from tests.common import REPO
+from tests.common import run_interpreted
 
 def test_small_m_triton_gemm_under_the_interpreter():
     """The fused small-M kernel (CUDA in production) run by Triton's CPU interpreter: the activation
@@ -10,9 +9,6 @@ def test_small_m_triton_gemm_under_the_interpreter():
     dequantized GEMM of those bytes. (The interpreter's own float->E4M3 cast mis-rounds at binade
     edges, so the comparison is kernel-to-kernel here; tests/test_gpu_*.py compares against the torch
     quantizer on the GPU.)"""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -85,9 +81,7 @@ for fmt in ("fp32", "ue8m0"):
                 assert s1.stride() == s0.stride()
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_fused_swiglu_quant_kernel_under_the_interpreter():
@@ -96,9 +90,6 @@ def test_fused_swiglu_quant_kernel_under_the_interpreter():
     interpreter rounds fp32 -> bf16 differently from the GPU, so bf16 input is checked on the H200,
     tests/test_gpu_*.py; its exp is numpy's, one ulp off torch's at times, so the reference SwiGLU
     here uses numpy's exp too.)"""
-    import subprocess
-    import sys
-
     code = r'''
 import numpy as np
 import torch
@@ -124,9 +115,7 @@ for fmt in ("fp32", "ue8m0"):
             assert s.stride() == sr.stride()
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
@@ -135,9 +124,6 @@ def test_swiglu_backward_and_transpose_kernels_under_the_interpreter():
     transposed 1x128 quantizer writes what the 1x128 quantizer writes for ``x^T`` (kernel to kernel); the
     backward equals the torch statement in fp32 to fp32 rounding (the interpreter's exp is numpy's;
     bf16 output is checked on the H200, tests/test_gpu_*.py)."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.precision.quant import swiglu_backward
@@ -165,9 +151,7 @@ for M, F in ((37, 600), (4, 256)):
     assert not torch.equal(dy[:, :F], torch.zeros_like(dy[:, :F]))
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_dual_gradient_quantizer_under_the_interpreter():
@@ -178,9 +162,6 @@ def test_dual_gradient_quantizer_under_the_interpreter():
     512 tokens in the kernels'
     buffers (``pad_to``) hold the same bytes and scales in front and zero bytes of scale 1 behind, and so do
     the torch path's."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -233,9 +214,7 @@ for bad in ((100, 4), (128, 3)):
         assert "dual quantizer plan" in str(e)
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_rope_and_cache_kernel_under_the_interpreter():
@@ -245,9 +224,6 @@ def test_rope_and_cache_kernel_under_the_interpreter():
     (``_apply_rotary_pos_emb_bshd``) plus ``index_copy_``, and :func:`rope_torch` (the CPU path)
     equals megatron's too; partial rotary, GQA, prefill (S > 1) and the strided views of the fused
     QKV split; cache columns outside the positions untouched."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -276,9 +252,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 24, 8)):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (S, b, H, G, D, rot)
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_training_rope_kernel_under_the_interpreter():
@@ -287,9 +261,6 @@ def test_training_rope_kernel_under_the_interpreter():
     autograd gradient (same ops, same order), for the strided q/k views of the fused QKV split,
     partial rotary and more heads than one program holds; ``fused_rope`` on CPU tensors is megatron's
     eager function."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -325,9 +296,7 @@ freqs2.mul_(0.5)  # changed in place: new tables
 assert torch.equal(rope.rope_kernel_apply(q, freqs2), _apply_rotary_pos_emb_bshd(q, freqs2)) and len(calls) == 3
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_triton_rmsnorm_under_the_interpreter():
@@ -335,9 +304,6 @@ def test_triton_rmsnorm_under_the_interpreter():
     interpreter, fp32: forward equals torch's ``rms_norm`` to fp32 rounding, each row's bytes do not
     depend on how many rows the call has (the trainer's forward and a decode step give the same
     bytes), and the autograd backward matches torch's to fp32 rounding."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.kernels.rmsnorm import RMSNormFunction, rmsnorm_backward, rmsnorm_forward
@@ -367,9 +333,7 @@ for M, N in ((37, 96), (5, 4096), (3, 300)):
     assert torch.allclose(wa.grad, wb.grad, rtol=1e-4, atol=1e-4), (wa.grad - wb.grad).abs().max()
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_fused_add_rmsnorm_quant_under_the_interpreter():
@@ -379,9 +343,6 @@ def test_fused_add_rmsnorm_quant_under_the_interpreter():
     activation quantizer's on that output (kernel-to-kernel: the interpreter's own E4M3 cast is
     used by both), fp32 and ue8m0 scales, row- and column-major; a split-K GEMM's partials as the delta
     give the bytes of their sum kernel's output as the delta."""
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant, rmsnorm_forward
@@ -418,6 +379,4 @@ for fmt in ("fp32", "ue8m0"):
         assert torch.equal(s4, s5)
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)

@@ -7,6 +7,8 @@ import torch
 
 from megatron_jetrl.trainer import loss as L
 
+from tests.common import run_interpreted
+
 
 def test_grpo_advantages_hand_computed():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
@@ -148,10 +150,6 @@ def test_fused_logp_kernels_under_the_interpreter():
     """The Triton kernels of the fused logprob (CUDA in production) under Triton's CPU interpreter,
     fp32: statistics and gradient equal the torch statement to fp32 rounding, vocabulary slices that
     are not a multiple of the kernel's block, labels outside the slice (TP)."""
-    import os
-    import subprocess
-    import sys
-
     code = r'''
 import torch
 from megatron_jetrl.kernels import fused_logp as F
@@ -174,9 +172,7 @@ for T, V, start in ((5, 3000, 0), (3, 2048, 2048), (4, 100, 50)):
     F.triton = _t
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_overlong_penalty_and_informative_groups():

@@ -11,6 +11,7 @@ import torch
 
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
+from tests.common import run_interpreted
 from tests.hf_models import make_hf_model
 from tests.workers import build_loaded
 
@@ -477,9 +478,7 @@ assert ((0 <= i) & (i < 9000)).all()
 assert (l - torch.log_softmax(y.float() / 1.3, -1).gather(-1, i[:, None]).squeeze(-1)).abs().max() < 1e-5
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_decode_attention_kernel_under_the_interpreter(tmp_path):
@@ -538,10 +537,7 @@ for a, b in zip(runs["sdpa"], runs["triton"]):
 assert max(lp) < 1e-4, max(lp)
 print("ok")
 '''
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=REPO)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_interpreted(code, str(tmp_path), cwd=REPO)
 
 
 def test_jet_releases_bf16_weights_between_steps(tmp_path, megatron_single, monkeypatch):
