@@ -317,7 +317,6 @@ class Server:
     up: bool = False
     hung: bool = False                   # a request timed out: restart it even if /health answers
     restarts: int = 0
-    rank_offset: int = 0
     tp: int = 1
     released: set = field(default_factory=set)  # memory tags released (SGLang's offload_tags)
     log_file: Optional[object] = field(default=None, repr=False)
@@ -418,9 +417,6 @@ class RolloutFleet:
                 self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, r.admin_api_key),
                                            cmd, os.path.join(run_dir, "rollout_logs", f"server{i}.log"),
                                            tp=r.server_tp if r.engine == "sglang" else 1))
-        offset = 1
-        for s in self.servers:
-            s.rank_offset, offset = offset, offset + s.tp
         self.router: Optional[Server] = self._router(free_port()) if r.router else None
 
     def _router(self, port: int) -> Server:

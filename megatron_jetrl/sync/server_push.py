@@ -50,7 +50,7 @@ class TensorBucketPush:
 
 
 class DistributedBroadcastPush:
-    """Rank 0 of a process group whose other ranks are the servers' (``rank_offset`` .. + ``tp`` each); the group
+    """Rank 0 of a process group whose other ranks are the servers' (``tp`` consecutive ranks each); the group
     is made again when the set of servers changes (a restart)."""
 
     def __init__(self, bucket_bytes: int, group_name: str = "jetrl_weight_update"):
@@ -64,16 +64,16 @@ class DistributedBroadcastPush:
         if self.group is not None and members == self.members:
             return
         self.close(servers)
-        offset = 1
+        offsets = [1]  # rank 0 is this process; server i's ranks start at offsets[i]
         for s in servers:
-            s.rank_offset, offset = offset, offset + s.tp
-        world, port = offset, free_port()
+            offsets.append(offsets[-1] + s.tp)
+        world, port = offsets[-1], free_port()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         local = all("127.0.0.1" in s.client.url for s in servers)
         with ThreadPoolExecutor(len(servers)) as ex:
             futs = [ex.submit(s.client.init_weights_update_group, "127.0.0.1" if s.client.url.startswith("http://127.")
-                              else socket.gethostbyname(socket.gethostname()), port, s.rank_offset, world,
-                              self.group_name, backend) for s in servers]
+                              else socket.gethostbyname(socket.gethostname()), port, offset, world,
+                              self.group_name, backend) for s, offset in zip(servers, offsets)]
             self.group = init_custom_group(backend, "127.0.0.1" if local else "0.0.0.0", port, 0, world, self.group_name)
             for f in futs:
                 f.result()
