@@ -372,7 +372,8 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
 @dataclasses.dataclass(frozen=True)
 class CallHints:
     """How the caller that owns a call of an FP8 linear wants it run; set for the call with
-    ``FP8LinearMixin.hinted(...)``, the defaults otherwise. The same bytes either way: each hint saves work."""
+    ``FP8LinearMixin.hinted(...)``, the defaults otherwise. ``swiglu_input`` says what the input is; the others
+    save work and leave the output's bytes as they are."""
 
     swiglu_input: bool = False
     """The gated MLP (``models.spec.JetMLP``) around fc2's call: the input is fc1's output ``[gate | up]`` and the
