@@ -10,6 +10,7 @@ Settings are typed config (``megatron_jetrl/config.py``); the environment carrie
 """
 from __future__ import annotations
 
+import functools
 import os
 
 ADMIN_API_KEY = "JETRL_ADMIN_API_KEY"
@@ -24,8 +25,10 @@ def deepgemm_dir() -> str | None:
     return os.environ.get(DEEPGEMM_DIR) or None
 
 
+@functools.lru_cache(maxsize=None)
 def triton_interpreted() -> bool:
-    """Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by the tests)."""
+    """Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by the tests). Read once:
+    the kernels ask on every launch, and Triton fixes its own choice when a kernel is defined."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
