@@ -250,6 +250,15 @@ class PrecisionConfig:
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""
+    kv_cache: Literal["bf16", "fp8"] = "bf16"
+    """Attention keys and values. ``fp8``: the in-process rollout (``rollout.engine=local`` or ``serve``) keeps an
+    E4M3 KV cache, K after RoPE and V quantized per token and KV head with a power-of-two scale (the rule in
+    ``FP8Recipe.kv_cache``): half the bytes a long rollout's decode step reads. In ``jet`` the training forward's
+    attention reads the same FP8 values (a quantize-dequantize of its K/V, straight-through in backward), so the
+    cache stays on-policy; in ``fp8_rollout`` only the rollout uses it (the off-policy baseline). Not with
+    ``rollout.engine=sglang``: SGLang 0.5.23's FP8 KV cache for these models holds one static scale per layer
+    (``--kv-cache-dtype fp8_e4m3``, ``k_scale``/``v_scale`` from the checkpoint), which no per-token rule matches.
+    docs/rollout.md, "FP8 KV cache"; docs/benchmarks.md has the speed and the mismatch."""
 
 
 @dataclass(kw_only=True)
@@ -610,6 +619,14 @@ class JetConfig:
         _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,
                "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
                "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
+        if self.precision.kv_cache == "fp8":
+            _check(self.precision.mode != "bf16", "precision.kv_cache", "fp8 is an FP8 precision flow, mode is bf16",
+                   "set precision.mode=jet (unified) or fp8_rollout, or precision.kv_cache=bf16")
+            _check(self.rollout.engine != "sglang", "precision.kv_cache", "SGLang 0.5.23's FP8 KV cache keeps one static "
+                   "scale per layer, not the per-token rule the trainer applies", "use rollout.engine=local or serve, "
+                   "or precision.kv_cache=bf16")
+            _check(self.precision.backend != "te", "precision.kv_cache", "fp8 is applied by our SDPA attention, which "
+                   "the TransformerEngine model does not use", "use precision.backend=auto or precision.kv_cache=bf16")
         if self.rollout.engine == "sglang":
             from megatron_jetrl.precision.recipe import FP8Recipe
 

@@ -288,8 +288,12 @@ def _metrics(run_dir):
     ["scheduler.mode=disaggregated", "rollout.num_servers=2", "rollout.weight_transport=disk",
      "scheduler.async_rollout=true"],
     ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor"],
-], ids=["disagg-broadcast", "disagg-disk-async", "colocated-tensor"])
+    ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor", "precision.kv_cache=fp8"],
+], ids=["disagg-broadcast", "disagg-disk-async", "colocated-tensor", "colocated-tensor-fp8kv"])
 def test_train_over_a_fleet(extra, tmp_path):
+    """Training over ``jetrl serve`` workers, per scheduler and weight transport: the FP8 bytes verified after
+    every push, the train-rollout mismatch at the emulation's rounding level; with ``precision.kv_cache=fp8`` the
+    workers run the FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) and the trainer's attention reads its values."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
                           "--run-dir", str(run_dir), "steps=3", "algo.sft_warmup_steps=1", "rollout.engine=serve",
@@ -312,7 +316,8 @@ def test_train_over_a_fleet(extra, tmp_path):
     logs = os.listdir(run_dir / "rollout_logs")
     assert len(logs) == n_servers
     # the servers are gone when the run ends
-    assert "jetrl serve: ready" in (run_dir / "rollout_logs" / "server0.log").read_text()
+    log = (run_dir / "rollout_logs" / "server0.log").read_text()
+    assert "jetrl serve: ready" in log and ("FP8 KV cache" in log) is ("precision.kv_cache=fp8" in extra)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["colocated", "disagg-async"])

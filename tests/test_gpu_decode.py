@@ -9,19 +9,22 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("mode,small_m,attention", [("bf16", 0, "sdpa"), ("jet", 0, "sdpa"), ("jet", 256, "sdpa"),
-                                                    ("jet", 256, "triton"), ("bf16", 0, "triton")])
+                                                    ("jet", 256, "triton"), ("bf16", 0, "triton"),
+                                                    ("jet+fp8kv", 0, "triton"), ("fp8_rollout+fp8kv", 256, "triton")])
 def test_graph_captured_decode_equals_eager_decode(mode, small_m, attention, tmp_path, megatron_single):
     """The static decoder replaying CUDA graphs draws the same tokens with the same logprobs as the
     same decoder run eagerly, across bucket edges, and keeps doing so after a weight update that
     refreshes the FP8 cache in place (the captured graphs must read the new bytes). With the exact-length Triton
-    attention one graph serves every length (it reads the key count from the position tensor)."""
+    attention one graph serves every length (it reads the key count from the position tensor); with the FP8 KV
+    cache (``+fp8kv``) too."""
+    from megatron_jetrl.bench.timing import mode_overrides
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
     from tests.workers import build_loaded
 
     make_hf_model("qwen3", str(tmp_path))
-    _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"], backend="auto")
+    _, model, state = build_loaded(str(tmp_path), mode_overrides(mode), backend="auto")
     model = model.bfloat16()
     state.bump()
     state.small_m_max = small_m
@@ -45,6 +48,7 @@ def test_graph_captured_decode_equals_eager_decode(mode, small_m, attention, tmp
     for gr in engines:
         outs[gr].append(gen(gr))
     assert ptr in engines[True]._decoder.graphs and engines[True].last_stats["graph_capture_s"] == 0.0  # reused
+    assert (engines[True]._decoder.k.dtype == torch.float8_e4m3fn) is mode.endswith("+fp8kv")
     assert (len(engines[True]._decoder.graphs) == 1) is (attention == "triton")  # 40 tokens cross 16-key buckets
     for k in range(2):
         for a, b in zip(outs[True][k], outs[False][k]):
@@ -107,6 +111,78 @@ def test_decoder_triton_attention_equals_sdpa(tmp_path, megatron_single):
         for a, c in zip(out["sdpa"], out["triton"]):
             assert a.output_ids == c.output_ids, temp
             assert max(abs(x - y) for x, y in zip(a.output_logprobs, c.output_logprobs)) < 1e-4, temp
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("S,b,H,G,D,rot", [(1, 64, 32, 8, 128, 128), (37, 3, 4, 2, 64, 32), (5, 2, 6, 6, 80, 80)])
+def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
+    """``precision.kv_cache=fp8``: the decoder's one-kernel RoPE + cache write with per-row RoPE positions (left-
+    padded rows rotated from their own first token) writes ``quant.quantize_kv``'s E4M3 bytes and power-of-two
+    scales of ``rope_torch``'s keys and of the values (torch's round-to-nearest-even cast), q rotated in place; and
+    the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) gives the torch statement's values."""
+    from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
+    from megatron_jetrl.precision.quant import kv_qdq, quantize_kv
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    recipe = FP8Recipe(kv_cache="fp8")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hpg = H // G
+    qkv = (torch.randn(S, b, G, (hpg + 2) * D, device="cuda", generator=g) * 4).to(dtype)
+    q, k, v = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    L, pos = 64, 7
+    idx = pos + torch.arange(S, device="cuda")
+    pads = torch.arange(b, device="cuda") % 5
+    rp = (idx[:, None] - pads[None]).clamp_min(0)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device="cuda").float() / rot))
+    freqs = torch.outer(torch.arange(L, device="cuda").float(), inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :].index_select(0, rp.reshape(-1)).view(S, b, 1, rot)
+    cos, sin = rope_tables(freqs, dtype)
+    kq, ksc = quantize_kv(rope_torch(k, cos, sin).permute(1, 2, 0, 3), recipe)
+    vq, vsc = quantize_kv(v.permute(1, 2, 0, 3), recipe)
+    kc = torch.zeros(b, G, L, D, dtype=torch.float8_e4m3fn, device="cuda")
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(b, G, L, device="cuda"), torch.zeros(b, G, L, device="cuda")
+    q_in = q.clone()
+    rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx, ks, vs, recipe)
+    assert same_bytes(q_in, rope_torch(q, cos, sin).contiguous())
+    assert same_bytes(kc[:, :, idx], kq) and same_bytes(vc[:, :, idx], vq)
+    assert torch.equal(ks[:, :, idx], ksc) and torch.equal(vs[:, :, idx], vsc)
+    assert same_bytes(kv_qdq(k, recipe), kv_qdq(k, recipe, use_triton=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,H,G,D,L,pos,splits", [(64, 32, 8, 128, 1152, 639, 1), (5, 32, 8, 128, 4096, 3000, 0),
+                                                  (3, 6, 6, 80, 300, 0, 2)])
+def test_fp8_decode_attention_equals_the_dequantized_cache(b, H, G, D, L, pos, splits, dtype):
+    """The decode attention over an FP8 KV cache (E4M3 bytes, power-of-two scales per token and KV head folded into
+    the scores and the softmax weights) gives the same kernel's
+    output over the dequantized cache in the model's dtype (what the trainer's attention reads): bit for bit in
+    fp32, to BF16 rounding on BF16 tensor cores; and the fp32 attention over it within the dtype's rounding."""
+    from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
+    from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    recipe = FP8Recipe(kv_cache="fp8")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, H, D, device="cuda", generator=g).to(dtype)
+    kq, ks = quantize_kv(torch.randn(b, G, L, D, device="cuda", generator=g) * 3, recipe)
+    vq, vs = quantize_kv(torch.randn(b, G, L, D, device="cuda", generator=g) / 5, recipe)
+    kd, vd = dequantize_kv(kq, ks, dtype), dequantize_kv(vq, vs, dtype)
+    ok = torch.ones(b, L, dtype=torch.bool, device="cuda")
+    ok[::3, : min(17, pos)] = False
+    splits = splits or default_splits(b, G, L, q.device)
+    p = torch.tensor([pos], device="cuda")
+    out = decode_attention(q, kq, vq, ok, p, D ** -0.5, splits, k_scale=ks, v_scale=vs)
+    same = decode_attention(q, kd, vd, ok, p, D ** -0.5, splits)
+    err = (out.float() - same.float()).abs().max().item()
+    print(f"FP8-KV decode attention b={b} {dtype}: max diff vs the dequantized cache {err:.2e}")
+    assert same_bytes(out, same) if dtype == torch.float32 else err < 1e-2
+    valid = ok.clone()
+    valid[:, pos + 1:] = False
+    s = torch.matmul(q.float().view(b, G, H // G, D), kd.float().transpose(-1, -2)) * D ** -0.5
+    ref = torch.matmul(s.masked_fill(~valid[:, None, None], float("-inf")).softmax(-1), vd.float()).view(b, H, D)
+    assert (out.float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -272,7 +348,7 @@ def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_ta
 def test_bf16_fallback_linears_decode_on_gpu(tmp_path, megatron_single):
     """jet with q/k/v left in BF16 (a SmolLM-shaped llama: 576/192/192 rows) and o_proj on a partial last K
     block: the graph-captured static decoder draws what its eager run does, and its greedy tokens are
-    megatron-core's eager decode's."""
+    megatron-core's eager decode's (prompts of one length)."""
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
@@ -291,7 +367,60 @@ def test_bf16_fallback_linears_decode_on_gpu(tmp_path, megatron_single):
             for gr in (False, True)]
     assert [x.output_ids for x in runs[0]] == [x.output_ids for x in runs[1]]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    # prompts of one length: megatron's decode numbers RoPE positions by column, the static decoder by each row's
+    # own first token; the two agree without left padding
+    prompts = [p[-3:] for p in prompts]
     outs = [LocalEngine(model, state, pad_id=0, vocab_size=384, decode=d).generate(prompts, greedy)
             for d in ("static", "megatron")]
     same = sum(a.output_ids == b.output_ids for a, b in zip(*outs))
     assert same >= len(prompts) - 1, same  # FP8 rounding may flip one near-tie
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_kernels_address_caches_past_2_31_elements(fp8):
+    """A layer's KV cache of 256 rows x 8 groups x 8320 positions x 128 (a batch-256, 8K-token rollout of an 8B
+    model) holds more than 2^31 elements: the RoPE + cache-write kernel and the decode attention compute 64-bit
+    offsets, so the last row is written where torch indexes it and attended over correctly (32-bit offsets wrapped
+    into an illegal memory access)."""
+    from megatron_jetrl.kernels.decode_attn import decode_attention
+    from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables
+    from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    b, H, G, L, D, pos = 256, 32, 8, 8320, 128, 8000
+    assert b * G * L * D > 2 ** 31
+    recipe = FP8Recipe(kv_cache="fp8")
+    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    kc, vc = torch.zeros(b, G, L, D, dtype=dt, device="cuda"), torch.zeros(b, G, L, D, dtype=dt, device="cuda")
+    ks = vs = None
+    if fp8:
+        ks, vs = torch.ones(b, G, L, device="cuda"), torch.ones(b, G, L, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    last = slice(b - 2, b)
+    kr = torch.randn(2, G, pos, D, device="cuda", generator=g)
+    vr = torch.randn(2, G, pos, D, device="cuda", generator=g)
+    if fp8:
+        (kq, ksr), (vq, vsr) = quantize_kv(kr, recipe), quantize_kv(vr, recipe)
+        kc[last, :, :pos], vc[last, :, :pos], ks[last, :, :pos], vs[last, :, :pos] = kq, vq, ksr, vsr
+    else:
+        kc[last, :, :pos], vc[last, :, :pos] = kr.bfloat16(), vr.bfloat16()
+    q = torch.randn(1, b, H, D, device="cuda", generator=g).bfloat16()
+    k1 = torch.randn(1, b, G, D, device="cuda", generator=g).bfloat16()
+    v1 = torch.randn(1, b, G, D, device="cuda", generator=g).bfloat16()
+    freqs = torch.zeros(1, 1, 1, D, device="cuda")  # position's rotation 0: RoPE is the identity
+    cos, sin = rope_tables(freqs, torch.bfloat16)
+    idx = torch.tensor([pos], device="cuda")
+    rope_and_cache(q, k1, v1, cos, sin, kc, vc, idx, ks, vs, recipe if fp8 else None)
+    if fp8:
+        kq1, ks1 = quantize_kv(k1[0, -1], recipe)
+        assert same_bytes(kc[-1, :, pos], kq1) and torch.equal(ks[-1, :, pos], ks1)
+    else:
+        assert torch.equal(kc[-1, :, pos], k1[0, -1]) and torch.equal(vc[-1, :, pos], v1[0, -1])
+    ok = torch.ones(b, L, dtype=torch.bool, device="cuda")
+    plan = (128, 3, 4) if fp8 else (64, 2, 4)
+    out = decode_attention(q[0], kc, vc, ok, idx, D ** -0.5, 2, *plan, k_scale=ks, v_scale=vs)
+    kl = kc[-1, :, : pos + 1] if not fp8 else dequantize_kv(kc[-1, :, : pos + 1], ks[-1, :, : pos + 1], torch.float32)
+    vl = vc[-1, :, : pos + 1] if not fp8 else dequantize_kv(vc[-1, :, : pos + 1], vs[-1, :, : pos + 1], torch.float32)
+    s = torch.matmul(q[0, -1].float().view(G, H // G, D), kl.float().transpose(-1, -2)) * D ** -0.5
+    ref = torch.matmul(s.softmax(-1), vl.float()).view(H, D)
+    assert (out[-1].float() - ref).abs().max() < 2e-2

@@ -255,6 +255,100 @@ print("ok")
     run_interpreted(code)
 
 
+def test_fp8_kv_cache_kernels_under_the_interpreter():
+    """The FP8 KV cache's kernels (CUDA in production) under Triton's CPU interpreter, fp32:
+
+    - the decoder's RoPE + cache write with one RoPE position per token and sequence (left-padded rows rotated
+      from their own first token) writes ``quant.quantize_kv``'s power-of-two scales of ``rope_torch``'s keys and
+      of the values, and the E4M3 bytes of the 1 x head_dim quantizer kernel with those scales (the interpreter's
+      float -> E4M3 cast is its own, not round-to-nearest-even, so bytes are compared between kernels here and
+      with torch's cast on the H200, tests/test_gpu_decode.py); an unquantized cache gets the RoPE'd values; q is
+      rotated in place, other columns are untouched;
+    - the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) equals those bytes times the scales,
+      for a strided [s, b, g, d] view;
+    - the decode attention over an FP8 cache (scales folded into the scores and the softmax weights) equals SDPA
+      over the dequantized K/V to 1e-5, and the same kernel over the dequantized cache bit for bit (multiplying by a
+      power of two commutes with rounding), one split and several; with a 16-bit q (the GPU's path: fp16 tensor
+      cores, P times 2^8 in fp16) within fp16's rounding."""
+    code = r'''
+import torch, torch.nn.functional as F
+from megatron_jetrl.kernels.decode_attn import decode_attention
+from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
+from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
+from megatron_jetrl.precision.quant import dequantize_kv, kv_rule, quantize_kv
+from megatron_jetrl.precision.recipe import FP8Recipe
+recipe = FP8Recipe(kv_cache="fp8")
+g = torch.Generator().manual_seed(0)
+def kernel_bytes(x):  # [..., D] -> the 1 x D quantizer kernel's E4M3 bytes with ue8m0 scales (and the scales)
+    D = x.shape[-1]
+    q, sc = quantize_act_triton(x.reshape(-1, D), FP8Recipe(scale_fmt="ue8m0", group_size=D, weight_block=(D, D)))
+    return q.view(torch.uint8).view(x.shape), sc.view(x.shape[:-1])
+for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
+    hpg = H // G
+    qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g) * 3
+    q, k, v = torch.split(qkv, [hpg * D, D, D], dim=3)
+    q = q.reshape(S, b, H, D)
+    L, pos = 12, 3
+    idx = pos + torch.arange(S)
+    pads = torch.tensor([0, 2, 1][:b])
+    rp = (idx[:, None] - pads[None]).clamp_min(0)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(L).float(), inv)
+    freqs = torch.cat([freqs, freqs], -1)[:, None, None, :].index_select(0, rp.reshape(-1)).view(S, b, 1, rot)
+    cos, sin = rope_tables(freqs, torch.float32)
+    assert cos.shape == (S * b, rot)
+    k_ref = rope_torch(k, cos, sin)
+    for row in range(b):  # per-row tables: each row rotated by its own positions
+        one = rope_torch(k[:, row:row + 1], *rope_tables(freqs[:, row:row + 1], torch.float32))
+        assert torch.equal(k_ref[:, row:row + 1], one)
+    _, ksc = quantize_kv(k_ref.permute(1, 2, 0, 3), recipe)
+    _, vsc = quantize_kv(v.permute(1, 2, 0, 3), recipe)
+    kq, ks2 = kernel_bytes(k_ref.permute(1, 2, 0, 3))
+    vq, vs2 = kernel_bytes(v.permute(1, 2, 0, 3))
+    assert torch.equal(ks2, ksc) and torch.equal(vs2, vsc)
+    kc = torch.zeros(b, G, L, D, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.full((b, G, L), 7.0), torch.full((b, G, L), 7.0)
+    q_in = q.clone()
+    rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx, ks, vs, recipe)
+    assert torch.equal(q_in, rope_torch(q, cos, sin))
+    cols = torch.zeros(L, dtype=torch.bool)
+    cols[idx] = True
+    assert torch.equal(kc[:, :, idx].view(torch.uint8), kq) and torch.equal(ks[:, :, idx], ksc)
+    assert torch.equal(vc[:, :, idx].view(torch.uint8), vq) and torch.equal(vs[:, :, idx], vsc)
+    assert not kc[:, :, ~cols].float().any() and bool((ks[:, :, ~cols] == 7.0).all())
+    kc32 = torch.zeros(b, G, L, D)
+    vc32 = torch.zeros_like(kc32)
+    rope_and_cache(q.clone(), k, v, cos, sin, kc32, vc32, idx)
+    assert torch.equal(kc32[:, :, idx], k_ref.permute(1, 2, 0, 3)) and torch.equal(vc32[:, :, idx], v.permute(1, 2, 0, 3))
+    kv = qkv[..., hpg * D:hpg * D + D]  # a strided view, as the fused QKV split returns
+    kb, kbs = kernel_bytes(kv)
+    assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * kbs[..., None])
+for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 69, 3), (2, 4, 1, 32, 20, 0, 2)):
+    q = torch.randn(b, H, D, generator=g)
+    kq, ks = quantize_kv(torch.randn(b, G, L, D, generator=g) * 4, recipe)
+    vq, vs = quantize_kv(torch.randn(b, G, L, D, generator=g) / 8, recipe)
+    ok = torch.ones(b, L, dtype=torch.bool)
+    ok[0, : min(5, pos)] = False
+    ok[:, pos + 1:] = torch.rand(b, L - pos - 1, generator=g) > 0.5
+    valid = ok.clone()
+    valid[:, pos + 1:] = False
+    bias = torch.zeros(b, 1, 1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    kd, vd = dequantize_kv(kq, ks, torch.float32), dequantize_kv(vq, vs, torch.float32)
+    ref = F.scaled_dot_product_attention(q[:, :, None], kd, vd, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
+    out = decode_attention(q, kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16, k_scale=ks, v_scale=vs)
+    assert (out - ref).abs().max() < 1e-5, (b, H, G, D, pos, splits, (out - ref).abs().max())
+    same = decode_attention(q, kd, vd, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16)
+    assert torch.equal(out, same)  # power-of-two scales folded into scores and weights: the dequantized cache's bits
+    out16 = decode_attention(q.half(), kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
+                             k_scale=ks, v_scale=vs)  # a 16-bit q: the fp16 tensor-core path
+    assert out16.dtype == torch.float16 and (out16.float() - ref).abs().max() < 3e-3, (out16.float() - ref).abs().max()
+print("ok")
+'''
+    run_interpreted(code)
+
+
 def test_training_rope_kernel_under_the_interpreter():
     """The training RoPE (``kernels/rope_train.py``, CUDA in production) under Triton's CPU interpreter, fp32:
     its forward and its autograd backward equal megatron-core's unfused RoPE and that statement's eager

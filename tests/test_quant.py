@@ -121,3 +121,37 @@ def test_act_quant_plan_is_checked():
     for bad in ((8, 3, 8), (8, 8), (8, 8, 3)):
         with pytest.raises(ValueError, match="activation quantizer plan"):
             check_act_quant_plan(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_kv_cache_quantizer_follows_the_rule(dtype, scale_fmt):
+    """``precision.kv_cache=fp8``: keys/values ``[..., head_dim]`` quantized per token and KV head with power-of-two
+    scales whatever the weights' ``scale_fmt``, equal to the float64 statement of the rule (1 x head_dim groups,
+    ue8m0) for wide data with outliers and an all-zero row; the dequantized values are exact in BF16 (so the
+    trainer's BF16 attention sees exactly the values the cache holds), quantize-dequantize is idempotent, and the
+    training forward's fake quantization passes gradients straight through."""
+    from megatron_jetrl.precision.quant import dequantize_kv, kv_fake_quant, kv_qdq, quantize_kv
+
+    recipe = FP8Recipe(scale_fmt=scale_fmt, kv_cache="fp8")
+    for D in (128, 64, 80):
+        x = wide_data((6 * 3 * 4, D), seed=D).to(dtype)
+        x[5] = 0.0
+        x4 = x.view(6, 3, 4, D)
+        q, s = quantize_kv(x4, recipe)
+        assert q.shape == x4.shape and q.dtype == torch.float8_e4m3fn and s.shape == (6, 3, 4) and s.dtype == torch.float32
+        rq, rs = reference_blocks(x.float().numpy(), 1, D, "ue8m0")
+        assert np.array_equal(q.reshape(-1, D).float().numpy(), rq) and np.array_equal(s.reshape(-1, 1).numpy(), rs)
+        assert bool((torch.log2(s) == torch.log2(s).round()).all())  # powers of two
+        deq = dequantize_kv(q, s, torch.bfloat16)
+        assert torch.equal(deq.float(), q.float() * s[..., None])  # exact in BF16
+        y = kv_qdq(x4, recipe)
+        assert y.dtype == dtype and torch.equal(y.float(), deq.float()) and torch.equal(kv_qdq(y, recipe), y)
+    xg = x4.float().requires_grad_()
+    dy = torch.randn_like(xg)
+    kv_fake_quant(xg, recipe).backward(dy)
+    assert torch.equal(xg.grad, dy)
+    with pytest.raises(ValueError, match="kv_cache=fp8 needs mode jet"):
+        FP8Recipe(mode="bf16", kv_cache="fp8")
+    assert FP8Recipe(kv_cache="fp8").train_kv_fp8 and not FP8Recipe(mode="fp8_rollout", kv_cache="fp8").train_kv_fp8
+    assert FP8Recipe(mode="fp8_rollout", kv_cache="fp8").rollout_kv_fp8 and not FP8Recipe().rollout_kv_fp8

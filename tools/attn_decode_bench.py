@@ -2,7 +2,8 @@
 CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an additive mask (what
 ``rollout.decode_attention=sdpa`` runs), the exact-length Triton kernel (``kernels/decode_attn.py``,
 ``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
-reference, matmul + fp32 softmax and SDPA with K/V expanded. Prints us, the KV bytes/s each reaches
+reference, matmul + fp32 softmax and SDPA with K/V expanded; and the Triton kernel over the FP8 KV cache
+(``precision.kv_cache=fp8``: E4M3 K/V with a scale per token and KV head). Prints us, the KV bytes/s each reaches
 (the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
 difference from the fp32 reference.
 Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--bucket 256] [--json F]"""
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import time_graph_ms
 from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
+from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+KV_RECIPE = FP8Recipe(kv_cache="fp8")
 
 
 def main() -> None:
@@ -51,6 +56,9 @@ def main() -> None:
         q = torch.randn(B, H, d, device=dev, dtype=dt, generator=g)
         kc = torch.randn(B, G, L, d, device=dev, dtype=dt, generator=g)
         vc = torch.randn(B, G, L, d, device=dev, dtype=dt, generator=g)
+        # the FP8 KV cache of precision.kv_cache=fp8 (E4M3, a power-of-two scale per token and KV head), and the
+        # dequantized values the reference and the BF16 variants below read in the FP8 rows' comparison
+        (kq, ks), (vq, vs) = quantize_kv(kc, KV_RECIPE), quantize_kv(vc, KV_RECIPE)
         for n in map(int, a.keys.split(",")):
             Lb = min(L, -(-n // a.bucket) * a.bucket)
             ok = torch.ones(B, L, dtype=torch.bool, device=dev)
@@ -87,25 +95,38 @@ def main() -> None:
                 for sp in sorted({1, auto, 2 if auto == 1 else auto}):
                     variants[f"triton exact bn{bn} st{st} w{w} split{sp}"] = (
                         (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kc, vc, ok, pos, d ** -0.5, sp, bn, st, w)), n)
+                    variants[f"triton fp8-kv bn{bn} st{st} w{w} split{sp}"] = (
+                        (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kq, vq, ok, pos, d ** -0.5, sp, bn, st, w,
+                                                                           k_scale=ks, v_scale=vs)), n)
+            kd = dequantize_kv(kq[:, :, :n], ks[:, :, :n], torch.float32)
+            vd = dequantize_kv(vq[:, :, :n], vs[:, :, :n], torch.float32)
+            s8 = torch.matmul(qf.view(B, G, H // G, d), kd.transpose(-1, -2)) * d ** -0.5
+            ref8 = torch.matmul(s8.masked_fill(~valid, float("-inf")).softmax(-1), vd).reshape(B, H, d)
             for name, (fn, keys) in variants.items():
+                fp8 = "fp8-kv" in name
                 try:
-                    err = (fn().float() - ref).abs().max().item()
+                    err = (fn().float() - (ref8 if fp8 else ref)).abs().max().item()
                     ms = timed_ms(fn)
                 except Exception as e:  # noqa: BLE001 - report which variants this build refuses
                     print(f"B={B} keys={n} {name:40s} failed: {str(e).splitlines()[0][:120]}")
                     continue
-                kv = 2 * B * G * keys * d * 2
+                kv = 2 * B * G * keys * d * ((1 + 4 / d) if fp8 else 2)  # FP8: a byte per value, 4 per scale
                 row = {"batch": B, "keys": n, "variant": name, "us": ms * 1e3, "kv_tb_s": kv / ms / 1e9,
                        "max_abs_diff": err}
                 rows.append(row)
                 print(f"B={B} keys={n} {name:40s} {ms * 1e3:8.1f} us  KV {kv / ms / 1e9:5.2f} TB/s  "
                       f"max diff vs fp32 {err:.1e}", flush=True)
             base = next(r["us"] for r in rows if r["batch"] == B and r["keys"] == n and r["variant"].startswith("sdpa bucket"))
-            best = min((r for r in rows if r["batch"] == B and r["keys"] == n and r["variant"].startswith("triton")),
+            best = min((r for r in rows if r["batch"] == B and r["keys"] == n and r["variant"].startswith("triton exact")),
                        key=lambda r: r["us"], default=None)
             if best:
                 print(f"B={B} keys={n}: best Triton plan {best['variant']} {best['us']:.1f} us, "
                       f"{base / best['us']:.2f}x the SDPA bucket ({base:.1f} us)", flush=True)
+            best8 = min((r for r in rows if r["batch"] == B and r["keys"] == n and "fp8-kv" in r["variant"]),
+                        key=lambda r: r["us"], default=None)
+            if best8:
+                print(f"B={B} keys={n}: best FP8-KV plan {best8['variant']} {best8['us']:.1f} us, "
+                      f"{base / best8['us']:.2f}x the SDPA bucket", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -5,7 +5,7 @@
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
-# RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
+# RO_TOKENS/RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
@@ -43,7 +43,7 @@ if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one
   for at in ${RO_ATTN:-sdpa}; do
     tag=${RO_TAG}$([ "$at" = sdpa ] || echo "_$at")
     timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
-      --modes ${RO_MODES:-bf16,jet} --new-tokens 1024 --prompt-len 128 --profile ${RO_PROFILE:-5} \
+      --modes ${RO_MODES:-bf16,jet} --new-tokens ${RO_TOKENS:-1024} --prompt-len 128 --profile ${RO_PROFILE:-5} \
       --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${tag}.txt
   done
 fi

@@ -11,12 +11,12 @@ import argparse
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json
+from megatron_jetrl.bench.timing import dump_json, mode_overrides
 
 MODES = ("bf16", "fp8_rollout", "jet")
 
 
-def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0) -> dict:
+def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | None = None) -> dict:
     """One mode (cfg.precision.mode) on random prompts (random weights unless model.hf_path)."""
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
@@ -43,7 +43,7 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0) -> dict:
     train_lp = train_logprobs(model, batch, params.temperature, cfg.algo.micro_batch_size)
     out = {k: float(v) for k, v in L.mismatch_metrics(train_lp, batch.rollout_logp, batch.mask).items()}
     out["tokens"] = float(batch.mask.sum())
-    out["mode"] = cfg.precision.mode
+    out["mode"] = label or cfg.precision.mode
     out["params"] = sum(p.numel() for p in model.parameters())
     del model, engine
     if torch.cuda.is_available():
@@ -58,7 +58,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="jetrl mismatch", description=__doc__)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--config")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; a mode+fp8kv adds the FP8 KV cache")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--json")
@@ -67,8 +67,8 @@ def main(argv=None) -> list[dict]:
     path = args.config or preset_path(args.preset)
     rows = []
     for mode in args.modes.split(","):
-        cfg = load_config(path, [*args.overrides, f"precision.mode={mode}"])
-        rows.append(measure(cfg, args.prompts, args.prompt_len))
+        cfg = load_config(path, [*args.overrides, *mode_overrides(mode)])
+        rows.append(measure(cfg, args.prompts, args.prompt_len, label=mode))
     print("| mode | mean abs logp diff | max abs logp diff | k3 KL | IS weight min / max | tokens | params |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

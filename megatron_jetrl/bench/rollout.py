@@ -4,19 +4,24 @@ For each mode the same model (preset shapes, same random weights) generates ``--
 of ``--new-tokens`` tokens (no stop tokens, temperature 1) from random ``--prompt-len`` prompts with
 the rollout engine the RL loop uses (``rollout.decode``, CUDA graphs per ``rollout.cuda_graphs``).
 Per mode it prints the prefill time, the decode step time (median over steps is not observable
-without syncs, so: decode wall time / steps), tokens/s, graph-capture time (first rollout only: the
-timed rollout is the second, which reuses the graphs as the RL loop does), the weight bytes one
+without syncs, so: decode wall time / steps), tokens/s, graph-capture time (first rollout: the
+timed rollout is the second, which reuses the graphs as the RL loop does; past ``WARMUP_TOKENS`` new tokens the
+first is that long, on the same full-length decoder, and the timed rollout's time leaves out the captures of the
+length buckets the first did not reach), the weight bytes one
 step reads and the weight-bandwidth bound at ``--bandwidth`` TB/s (the H200's measured copy
 ceiling), the KV bytes a step reads, and the FP8/bf16 speedup.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json, print_table
+from megatron_jetrl.bench.timing import dump_json, mode_overrides, print_table
+
+WARMUP_TOKENS = 1024  # the untimed first rollout's length at most (graph capture and compiles happen there)
 
 
 def weight_bytes(model) -> int:
@@ -75,7 +80,8 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
     return out
 
 
-def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0) -> dict:
+def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0,
+             label: str | None = None) -> dict:
     from megatron_jetrl.distributed import init_distributed
     from megatron_jetrl.models.builder import DTYPES, build_model
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -95,15 +101,20 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     prompts = torch.randint(3, cfg.model.vocab_size, (batch, prompt_len), generator=g).tolist()
     params = SamplingParams(new_tokens, 1.0, 1.0, 0, ())
     cuda = torch.cuda.is_available()
-    engine.generate(prompts, params)  # first rollout: graph capture, Triton compiles
+    # first rollout: graph capture, Triton compiles; for long rollouts a shorter one on the full-length decoder
+    # (the timed rollout's own captures, of buckets the warm-up did not reach, are taken out of its time)
+    if engine.decode == "static":
+        engine._static_decoder(batch, prompt_len + new_tokens)
+    engine.generate(prompts, SamplingParams(min(new_tokens, WARMUP_TOKENS), 1.0, 1.0, 0, ()))
     first = dict(engine.last_stats)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     gens = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
     st = engine.last_stats
+    capture = st.get("graph_capture_s", 0.0)
+    wall = time.perf_counter() - t0 - capture
     steps = st.get("decode_steps", new_tokens)
     # prefill alone, for the per-step decode time: one more prefill on the same decoder
     dec = engine._decoder
@@ -127,17 +138,20 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
         else:
             kernels = {}
     tuning = dict(getattr(dec, "gemm_tuning", {}))
-    layers = cfg.model.num_layers
-    elem = 2 if cfg.precision.params_dtype == "bf16" else 4
-    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * cfg.model.head_dim * elem
+    layers, hd = cfg.model.num_layers, cfg.model.head_dim
+    # bytes per K or V element: the model's dtype, or an E4M3 byte plus a 4-byte scale per head_dim values
+    elem = (1 + 4 / hd) if state.recipe.rollout_kv_fp8 else (2 if cfg.precision.params_dtype == "bf16" else 4)
+    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * hd * elem
     mean_len = prompt_len + steps / 2
-    decode_ms = (st.get("generate_s", wall) - prefill) / max(1, steps - 1) * 1e3
+    decode_ms = (st.get("generate_s", wall) - capture - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
-    out = {"mode": cfg.precision.mode, "batch": batch, "prompt_len": prompt_len, "new_tokens": steps,
+    out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
+           "prompt_len": prompt_len, "new_tokens": steps,
            "decode": r.decode, "attention": "triton" if getattr(dec, "triton_attn", False) else "sdpa",  # what ran
            "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
+           "capture_s_timed_rollout": capture,
            # the SDPA length bucket the decoder used (rollout.decode_bucket, widened by decode_max_graphs for
            # long contexts) and the CUDA graphs it captured
            "decode_bucket": getattr(dec, "bucket", None), "graphs": len(getattr(dec, "graphs", {})),
@@ -163,10 +177,10 @@ def main(argv=None) -> list[dict]:
 
     ap = argparse.ArgumentParser(prog="jetrl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--modes", default="bf16,jet")
+    ap.add_argument("--modes", default="bf16,jet", help="comma-separated; a mode+fp8kv adds the FP8 KV cache")
     ap.add_argument("--batch", default="256", help="comma-separated batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--new-tokens", default="1024", help="comma-separated response lengths")
     ap.add_argument("--bandwidth", type=float, default=4.2, help="TB/s for the weight-bandwidth bound")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also print the kernel time per decode step by kernel, over STEPS steps (CPU ops off CUDA)")
@@ -174,23 +188,34 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
     rows = []
-    for batch in map(int, args.batch.split(",")):
-        for mode in args.modes.split(","):
-            cfg = load_config(preset_path(args.preset), [*args.overrides, f"precision.mode={mode}"])
-            rows.append(run_mode(cfg, batch, args.prompt_len, args.new_tokens, args.bandwidth, args.profile))
-            print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
+    for new_tokens in map(int, args.new_tokens.split(",")):
+        for batch in map(int, args.batch.split(",")):
+            for mode in args.modes.split(","):
+                cfg = load_config(preset_path(args.preset), [*args.overrides, *mode_overrides(mode)])
+                try:
+                    rows.append(run_mode(cfg, batch, args.prompt_len, new_tokens, args.bandwidth, args.profile, mode))
+                except torch.OutOfMemoryError:  # e.g. a BF16 KV cache of 256 x 4K tokens of an 8B model
+                    rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")
     shown = []
     for r in rows:
-        base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"]), None)
+        if r.get("oom"):
+            shown.append({"mode": r["mode"], "batch": r["batch"], "new_tokens": r["new_tokens"], "rollout_s": "out of memory"})
+            continue
+        base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
+                     and b["new_tokens"] == r["new_tokens"]), None)
         shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
-    cols = ["mode", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms", "tokens_per_s",
+    cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms",
+            "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
             "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
-             if all(c in r for r in rows)]
+             if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
     dump_json(args.json, rows)
     return rows

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json, print_table
+from megatron_jetrl.bench.timing import dump_json, mode_overrides, print_table
 
 PHASES = ("rollout", "logprob", "train", "weight_sync")
 
@@ -37,7 +37,7 @@ def run_mode(preset_path: str, mode: str, overrides: list[str], steps: int, warm
     # every response, GRPO's advantages then are 0 and the training step would run its backward on zero
     # gradients (rewards/math.py: hash_reward)
     # its own run directory, replaced by the next benchmark (checkpoint.overwrite)
-    cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, f"precision.mode={mode}",
+    cfg = load_config(preset_path, ["logging.parity_interval=0", "data.reward=hash", *overrides, *mode_overrides(mode),
                                     "algo.sft_warmup_steps=0",
                                     f"steps={steps + warmup}", "logging.tensorboard=false", "checkpoint.overwrite=true",
                                     f"logging.run_dir={os.path.join('runs', 'bench_step', mode)}"])

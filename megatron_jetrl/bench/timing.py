@@ -8,6 +8,18 @@ import time
 import torch
 
 
+def mode_overrides(name: str) -> list[str]:
+    """A benchmark row's precision: ``bf16`` / ``fp8_rollout`` / ``jet``, optionally ``+fp8kv`` (the FP8 KV cache,
+    ``precision.kv_cache=fp8``), as config overrides, e.g. ``jet+fp8kv`` -> mode jet with the FP8 KV cache."""
+    mode, *extras = name.split("+")
+    out = [f"precision.mode={mode}"]
+    for e in extras:
+        if e != "fp8kv":
+            raise SystemExit(f"benchmark mode {name!r}: unknown suffix +{e}; use <mode> or <mode>+fp8kv")
+        out.append("precision.kv_cache=fp8")
+    return out
+
+
 def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA device."""
     import triton.testing

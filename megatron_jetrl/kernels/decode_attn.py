@@ -32,14 +32,17 @@ import triton.language as tl
 
 
 
+P_F16: tl.constexpr = tl.constexpr(256.0)
+
+
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr, scale,
-                        sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sok_b, so_b, so_h,
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr, scale,
+                        sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, sok_b, so_b, so_h,
                         HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        IEEE: tl.constexpr):
-    b = tl.program_id(0)
-    g = tl.program_id(1)
+                        IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a 256 x 8K-token cache of one layer passes 2^31 elements
+    g = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
@@ -48,6 +51,9 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
     heads = g * HPG + hh
     qm = hm[:, None] & dm[None, :]
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=qm, other=0.0)
+    if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
+        # kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16 above 2^-14
+        q = q.to(tl.float16)
     n = tl.load(pos_ptr).to(tl.int32) + 1  # keys 0..pos: the step's own key is written before this runs
     chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_N) * BLOCK_N
     lo = s * chunk
@@ -58,15 +64,20 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
     kn = tl.arange(0, BLOCK_N)
     k_row = k_ptr + b * sk_b + g * sk_g
     v_row = v_ptr + b * sv_b + g * sv_g
+    s_row = b * ss_b + g * ss_g  # the FP8 cache's per-key scales [b, G, L] (KV_FP8)
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         keys = start + kn
         km = keys < hi
         ok = (tl.load(ok_ptr + b * sok_b + keys, mask=km, other=0) != 0) & km
         kt = tl.load(k_row + keys[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        if KV_FP8:  # E4M3 -> fp16/fp32 is exact; the key's power-of-two scale multiplies the fp32 score exactly
+            kt = kt.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
         else:
             sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
+        if KV_FP8:
+            sc = sc * tl.load(ks_ptr + s_row + keys, mask=km, other=1.0)[None, :]
         sc = tl.where(ok[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: exp() of -inf -> 0, not NaN
@@ -74,12 +85,18 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
         p = tl.exp(sc - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_row + keys[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        if KV_FP8:  # the value's power-of-two scale on P (exact: P's rounding commutes with it); on fp16 times
+            # P_F16 = 2^8, so that P * scale stays in fp16's normal range (undone once at the end, exactly)
+            vt = vt.to(q.dtype)
+            p = p * (tl.load(vs_ptr + s_row + keys, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
         if IEEE:
             pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
         else:
             pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if F16:
+        acc = acc * (1.0 / P_F16)
     if SPLIT == 1:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
@@ -121,17 +138,27 @@ def default_splits(rows: int, groups: int, max_len: int, device: torch.device, b
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_ok: torch.Tensor,
                      pos: torch.Tensor, scale: float, splits: int = 1, block_n: int = 64,
-                     num_stages: int = 2, num_warps: int = 4) -> torch.Tensor:
+                     num_stages: int = 2, num_warps: int = 4, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
     ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache) over keys ``0..pos[0]``
     where ``key_ok [b, L]`` is true; returns ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element
-    device tensor (read by the kernel: no host sync, one CUDA graph for every length)."""
+    device tensor (read by the kernel: no host sync, one CUDA graph for every length). An FP8 cache
+    (float8_e4m3fn K/V with ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride,
+    ``FP8Recipe.kv_cache``) is read as its bytes; the attention is over their dequantized values."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if (H % G or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != D
             or key_ok.shape != (b, L) or min(t.stride(-1) for t in (q, k_cache, v_cache)) != 1):
         raise ValueError(f"decode_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
                          f"k/v {tuple(k_cache.shape)} {tuple(k_cache.stride())}, key_ok {tuple(key_ok.shape)}")
+    if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride() != v_scale.stride()
+                or k_scale.stride(-1) != 1):
+        raise ValueError("decode_attention: an FP8 KV cache needs k_scale/v_scale [b, groups, L] with equal strides "
+                         "and a unit last one")
+    if not fp8:
+        k_scale = v_scale = q  # unused (KV_FP8 off)
     out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -145,11 +172,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part = ml = out
     _decode_attn_kernel[(b, G, splits)](
-        q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),
+        q, k_cache, v_cache, k_scale, v_scale, ok, pos, out, part, ml, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ok.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
         HPG=hpg, D=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps)
+        IEEE=q.dtype == torch.float32, KV_FP8=fp8, F16=fp8 and q.dtype != torch.float32,
+        num_warps=num_warps)
     if splits > 1:
         _merge_kernel[(b, H)](part, ml, out, out.stride(0), out.stride(1), H, D=D, BLOCK_D=block_d, SPLIT=splits,
                               BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

@@ -5,10 +5,11 @@ small kernels per call (cos, sin, casts, the rotate-half chunk/neg/cat, two prod
 final cat), and the decoder calls it for q and for k in every layer: about 770 kernels per decode
 step of a 32-layer model, each a few microseconds even inside a CUDA graph, followed by two
 ``index_copy_`` into the KV cache. :func:`rope_and_cache` does all of it in one launch and gives
-the same bytes: the cos/sin rows are computed once per forward by torch exactly as megatron does
-(``(cos(freqs) * mscale).to(dtype)``), and every product and the sum are rounded to the tensor's
-dtype in the same order as megatron's eager ops (``t * cos``, ``rotate_half(t) * sin``, their sum),
-which is what torch's CUDA elementwise kernels compute (float math, one rounding per op).
+the same bytes (with an FP8 KV cache, the E4M3 bytes and scales of ``quant.quantize_kv``): the cos/sin rows
+are computed once per forward by torch exactly as megatron does (``(cos(freqs) * mscale).to(dtype)``), and
+every product and the sum are rounded to the tensor's dtype in the same order as megatron's eager ops
+(``t * cos``, ``rotate_half(t) * sin``, their sum), which is what torch's CUDA elementwise kernels compute
+(float math, one rounding per op).
 
 :func:`rope_torch` is the same statement in torch ops with the shared cos/sin (the CPU path, and
 the reference of the tests).
@@ -19,18 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
+from megatron_jetrl.precision.recipe import FP8Recipe
 
 
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """megatron's ``cos_``/``sin_`` for RoPE rows ``freqs [S, 1, 1, rot]`` -> two ``[S, rot]`` tensors."""
-    f = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    """megatron's ``cos_``/``sin_`` for RoPE rows ``freqs [S, 1, 1, rot]`` (or one row per token and sequence,
+    ``[S, b, 1, rot]``) -> two ``[S, rot]`` (``[S * b, rot]``) tensors."""
+    f = freqs.reshape(-1, freqs.shape[-1])
     return (torch.cos(f) * mscale).to(dtype).contiguous(), (torch.sin(f) * mscale).to(dtype).contiguous()
 
 
 def rope_torch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """megatron's non-interleaved RoPE of ``t [S, b, h, d]`` with precomputed ``cos``/``sin`` ``[S, rot]``."""
+    """megatron's non-interleaved RoPE of ``t [S, b, h, d]`` with precomputed ``cos``/``sin`` ``[S, rot]`` (one
+    position per token) or ``[S * b, rot]`` (one per token and sequence)."""
     rot = cos.shape[-1]
-    c, s = cos[:, None, None, :], sin[:, None, None, :]
+    c, s = cos.view(t.shape[0], -1, 1, rot), sin.view(t.shape[0], -1, 1, rot)
     x, x_pass = t[..., :rot], t[..., rot:]
     x1, x2 = torch.chunk(x, 2, dim=-1)
     out = (x * c) + (torch.cat((-x2, x1), dim=-1) * s)
@@ -39,8 +44,8 @@ def rope_torch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @triton.jit
 def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr):
-    """Load one head row (``D`` wide) and apply RoPE to its first ``ROT`` elements, rounding each op
-    to the row's dtype as megatron's eager ops do; returns the row in that dtype."""
+    """Load one head row (``D`` wide) and apply RoPE to its first ``ROT`` elements with the cos/sin table row
+    ``s``, rounding each op to the row's dtype as megatron's eager ops do; returns the row in that dtype."""
     in_rot = d < ROT
     t = tl.load(ptr + d, mask=d < D, other=0.0)
     partner = tl.where(d < HALF, d + HALF, d - HALF)
@@ -55,41 +60,76 @@ def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, idx_ptr, B, H,
-                    sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, sc_b, sc_g, sc_l,
-                    ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv(dst_ptr, scale_ptr, row, d, D: tl.constexpr, inv_max, fmax, eps, KV_FP8: tl.constexpr):
+    """Store one K or V head row into the cache: as it is, or (``KV_FP8``) as E4M3 bytes with its power-of-two
+    scale (the recipe's KV rule, ``quant.quantize_kv``: amax over the row, ue8m0, the cast to nearest even)."""
+    if KV_FP8:
+        x = row.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(tl.where(d < D, x, 0.0)), axis=0), eps)
+        scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, True)
+        tl.store(dst_ptr + d, tl.clamp(x * mult, -fmax, fmax).to(tl.float8e4nv), mask=d < D)
+        tl.store(scale_ptr, scale_inv)
+    else:
+        tl.store(dst_ptr + d, row, mask=d < D)
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, idx_ptr, CB, H,
+                    sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, sc_b, sc_g, sc_l, ss_b, ss_g,
+                    inv_max, fmax, eps, ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     s = tl.program_id(0)
-    bi = tl.program_id(1)
+    bi = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a 256 x 8K-token cache of one layer passes 2^31 elements
     h = tl.program_id(2)  # q heads first, then the key/value groups
     d = tl.arange(0, BLOCK_D)
+    cs = s * CB + tl.minimum(bi, CB - 1)  # the cos/sin row: one per token (CB = 1) or per token and sequence
     if h < H:
         row = q_ptr + s * sq_s + bi * sq_b + h * sq_h
-        tl.store(row + d, _rope_row(row, cos_ptr, sin_ptr, s, d, ROT, HALF, D), mask=d < D)
+        tl.store(row + d, _rope_row(row, cos_ptr, sin_ptr, cs, d, ROT, HALF, D), mask=d < D)
     else:
         g = h - H
         pos = tl.load(idx_ptr + s)
-        dst = bi * sc_b + g * sc_g + pos * sc_l + d
+        dst = bi * sc_b + g * sc_g + pos * sc_l
+        sdst = bi * ss_b + g * ss_g + pos  # the scales' [b, G, L] (KV_FP8)
         krow = k_ptr + s * sk_s + bi * sk_b + g * sk_h
-        tl.store(kc_ptr + dst, _rope_row(krow, cos_ptr, sin_ptr, s, d, ROT, HALF, D), mask=d < D)
-        vrow = tl.load(v_ptr + s * sv_s + bi * sv_b + g * sv_h + d, mask=d < D)
-        tl.store(vc_ptr + dst, vrow, mask=d < D)
+        _store_kv(kc_ptr + dst, ks_ptr + sdst, _rope_row(krow, cos_ptr, sin_ptr, cs, d, ROT, HALF, D), d, D,
+                  inv_max, fmax, eps, KV_FP8)
+        vrow = tl.load(v_ptr + s * sv_s + bi * sv_b + g * sv_h + d, mask=d < D, other=0.0)
+        _store_kv(vc_ptr + dst, vs_ptr + sdst, vrow, d, D, inv_max, fmax, eps, KV_FP8)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor) -> None:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   recipe: FP8Recipe | None = None) -> None:
     """RoPE on ``q [S, b, H, d]`` in place; RoPE'd ``k`` and ``v`` (``[S, b, G, d]``) written into the
-    caches ``[b, G, L, d]`` at positions ``idx [S]``. Any strides with a unit last dimension (the
-    views megatron's ``get_query_key_value_tensors`` returns); cache views must share strides."""
+    caches ``[b, G, L, d]`` at cache columns ``idx [S]``; ``cos``/``sin`` ``[S, rot]`` (one RoPE position per token)
+    or ``[S * b, rot]`` (one per token and sequence: left-padded rows rotated from their own first token). Any
+    strides with a unit last dimension (the views megatron's ``get_query_key_value_tensors`` returns); cache views
+    must share strides. An FP8 cache
+    (``k_cache``/``v_cache`` float8_e4m3fn, ``k_scale``/``v_scale`` ``[b, G, L]`` fp32 with a unit last stride and
+    equal strides, ``recipe``) gets ``quant.quantize_kv``'s bytes and scales of the RoPE'd k and of v."""
     S, b, H, D = q.shape
     G, rot = k.shape[2], cos.shape[-1]
-    if rot % 2 or rot > D or k_cache.stride() != v_cache.stride() or min(x.stride(-1) for x in (q, k, v, k_cache)) != 1:
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if (cos.shape[0] not in (S, S * b) or rot % 2 or rot > D or k_cache.stride() != v_cache.stride()
+            or min(x.stride(-1) for x in (q, k, v, k_cache)) != 1):
         raise ValueError(f"rope_and_cache: unsupported layout (rot {rot}, head dim {D}, strides "
                          f"{[tuple(x.stride()) for x in (q, k, v, k_cache, v_cache)]})")
+    if fp8 and (k_scale is None or v_scale is None or recipe is None or k_scale.stride() != v_scale.stride()
+                or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:-1]):
+        raise ValueError("rope_and_cache: an FP8 KV cache needs k_scale/v_scale [b, G, L] (equal strides, unit last) "
+                         "and the recipe")
     if S == 0 or b == 0:
         return
+    if not fp8:
+        k_scale = v_scale = k_cache  # unused (KV_FP8 off)
     grid = (S, b, H + G)
-    _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, idx, b, H,
+    _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale, idx, cos.shape[0] // S, H,
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
-                          k_cache.stride(2), ROT=rot, HALF=rot // 2, D=D, BLOCK_D=triton.next_power_of_2(D),
+                          k_cache.stride(2), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+                          1.0 / (recipe.fp8_max if fp8 else 448.0), recipe.fp8_max if fp8 else 448.0,
+                          recipe.amax_eps if fp8 else 1e-10, ROT=rot, HALF=rot // 2, D=D,
+                          BLOCK_D=triton.next_power_of_2(D), KV_FP8=fp8,
                           num_warps=1, enable_fp_fusion=False,)  # no FMA: one rounding per op, as torch

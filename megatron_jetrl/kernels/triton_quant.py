@@ -435,3 +435,35 @@ def transpose_bytes_triton(x: torch.Tensor) -> torch.Tensor:
         _transpose_kernel[(triton.cdiv(R, block), triton.cdiv(C, block))](xb, y, R, C, xb.stride(0), y.stride(0),
                                                                           BLOCK=block, num_warps=4)
     return y.view(x.dtype)
+
+
+@triton.jit
+def _kv_qdq_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # BLOCK_M rows (a token's KV head each) of D values: amax, the ue8m0 scale, the E4M3 cast and back, in one pass
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < M) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, True)
+    q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+    y = q.to(tl.float32) * scale_inv[:, None]  # exact: an E4M3 value times a power of two
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+    """``quant.kv_qdq`` on CUDA: ``x [..., d]`` (any strides with a unit last one) -> a new contiguous tensor of
+    ``x``'s shape and dtype; ``recipe`` is the KV rule (``quant.kv_rule``: ue8m0 scales)."""
+    if recipe.scale_fmt != "ue8m0":
+        raise ValueError("kv_qdq_triton: the FP8 KV cache's scales are powers of two (pass quant.kv_rule(recipe))")
+    D = x.shape[-1]
+    x2 = rows_2d(x)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    M = x2.shape[0]
+    if M:
+        block_m = 8
+        _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
+                                                   recipe.fp8_max, recipe.amax_eps, D=D,
+                                                   BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, num_warps=4)
+    return y.view(x.shape)

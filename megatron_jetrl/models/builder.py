@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_jetrl.config import ModelConfig, ParallelConfig
 from megatron_jetrl.models.rope_scaling import rope_inv_freq, rope_problem
-from megatron_jetrl.models.spec import layer_spec
+from megatron_jetrl.models.spec import SDPAttention, layer_spec
 from megatron_jetrl.precision.linear import FP8ModelState, attach_fp8
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -179,6 +179,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
         state.forward_fp8 = False  # our FP8 linears are not in this model
         return gpt, state
     state: FP8ModelState = attach_fp8(gpt, recipe, backend, device)
+    for m in gpt.modules():  # the attention reads the state's forward_kv_fp8 (precision.kv_cache)
+        if isinstance(m, SDPAttention):
+            m.fp8_state = state
     return gpt, state
 
 

@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_jetrl.precision.linear import FP8LinearMixin
+from megatron_jetrl.precision.quant import kv_fake_quant
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -38,7 +39,9 @@ class FP8RowParallelLinear(FP8LinearMixin, RowParallelLinear):
 
 class SDPAttention(MegatronModule):
     """Core attention on SDPA. Inputs [s, b, heads, dim] (keys/values with the local query
-    groups), output [s, b, heads * dim]. Stays BF16 (attention core is not FP8 in the recipe)."""
+    groups, keys after RoPE), output [s, b, heads * dim]. BF16; with ``precision.kv_cache=fp8`` (jet) over the
+    FP8 KV cache's values of K and V (``quant.kv_fake_quant``: the rollout's cache holds the same values, the
+    gradient passes the rounding straight through)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -48,6 +51,9 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not support context parallelism; set it to 1")
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # the model's FP8 state (set by models.builder): with precision.kv_cache=fp8 the keys and values are
+        # rounded to the FP8 KV cache's values while ``forward_kv_fp8`` says so
+        self.fp8_state = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -55,6 +61,9 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention: packed sequences are not supported")
         sq, b, heads, dim = query.shape
         sk = key.shape[0]
+        state = self.fp8_state
+        if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
+            key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         mask, causal = None, False
         if attention_mask is not None and attention_mask.shape[-2:] == (sq, sk):

@@ -56,6 +56,9 @@ class FP8ModelState:
         self.decode_gemm = "tune"
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
+        # the attention reads FP8-rounded K/V (precision.kv_cache=fp8; models.spec.SDPAttention): in jet always (the
+        # unified cache), in fp8_rollout only inside ``rollout_precision()`` (the eager decode reference)
+        self.forward_kv_fp8 = recipe.train_kv_fp8
         # the gated MLP hands fc2 the pre-activation and SwiGLU runs inside the FP8 activation
         # quantizer (precision.fuse_swiglu; models.spec.JetMLP)
         self.fuse_swiglu = True
@@ -86,12 +89,12 @@ class FP8ModelState:
     @contextlib.contextmanager
     def rollout_precision(self):
         """Run the enclosed forwards with the rollout's precision (FP8 when the recipe says so)."""
-        before = self.forward_fp8
-        self.forward_fp8 = self.recipe.rollout_fp8
+        before = self.forward_fp8, self.forward_kv_fp8
+        self.forward_fp8, self.forward_kv_fp8 = self.recipe.rollout_fp8, self.recipe.rollout_kv_fp8
         try:
             yield
         finally:
-            self.forward_fp8 = before
+            self.forward_fp8, self.forward_kv_fp8 = before
 
 
 class FP8WeightCache:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_jetrl.kernels.layout import transposed_outputs
-from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.recipe import KV_SCALE_FMT, FP8Recipe
 
 _INV_MAX = {}  # fp32(1/448), fp32(448) per fp8_max, as 0-d float32 tensors per device
 
@@ -214,3 +214,58 @@ def dequantize_act(q: torch.Tensor, scale_inv: torch.Tensor, group: int = 128,
     out = dequantize_blocks(q.reshape(-1, q.shape[-1]), scale_inv.reshape(-1, scale_inv.shape[-1]),
                             1, group, dtype)
     return out.view(*lead, q.shape[-1])
+
+
+# ---- the FP8 KV cache (``FP8Recipe.kv_cache``) ---------------------------------------------------
+
+def kv_rule(recipe: FP8Recipe) -> FP8Recipe:
+    """The recipe the KV quantizer applies: ``recipe`` with power-of-two scales (``KV_SCALE_FMT``)."""
+    if recipe.scale_fmt == KV_SCALE_FMT:
+        return recipe
+    import dataclasses
+
+    return dataclasses.replace(recipe, scale_fmt=KV_SCALE_FMT)
+
+
+def quantize_kv(x: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (after RoPE) or values ``[..., head_dim]`` -> ``(q [..., head_dim] e4m3, scale_inv [...] fp32)``: one
+    group per token and KV head (the whole last dimension), the ue8m0 rule: ``scale_inv = 2^ceil(log2(amax/448))``,
+    ``q = e4m3(x * 2^-e)``; ``x`` is read as float32 (exact from BF16)."""
+    q, s = quantize_blocks(x.reshape(-1, x.shape[-1]), 1, x.shape[-1], kv_rule(recipe))
+    return q.view(x.shape), s.view(x.shape[:-1])
+
+
+def dequantize_kv(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [..., d] * scale_inv [...]`` in ``dtype``: exact in float32 and in BF16 (an E4M3 value times a power of
+    two; no rounding happens)."""
+    return (q.float() * scale_inv[..., None]).to(dtype)
+
+
+def kv_qdq(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None) -> torch.Tensor:
+    """``dequantize_kv(*quantize_kv(x))`` in ``x``'s dtype: the keys or values both sides of the unified FP8 KV
+    cache attend over. On CUDA one Triton pass (``kernels/triton_quant.kv_qdq_triton``, the same values)."""
+    if use_triton is None:
+        use_triton = x.is_cuda
+    if use_triton:
+        from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
+
+        return kv_qdq_triton(x, kv_rule(recipe))
+    return dequantize_kv(*quantize_kv(x, recipe), x.dtype)
+
+
+class _KVFakeQuant(torch.autograd.Function):
+    """Forward :func:`kv_qdq`; backward the identity (a straight-through estimator: the gradient of the rounding
+    is taken as 1, as for every FP8 cast in the recipe's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, recipe):
+        return kv_qdq(x, recipe)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def kv_fake_quant(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+    """The training forward's keys/values with the FP8 KV cache: :func:`kv_qdq`, straight-through in backward."""
+    return _KVFakeQuant.apply(x, recipe)

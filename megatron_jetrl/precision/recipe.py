@@ -17,6 +17,8 @@ BF16_MODULES = ("embedding", "output_layer", "input_layernorm", "pre_mlp_layerno
                 "q_layernorm", "k_layernorm", "final_layernorm", "core_attention", "router")
 # HF names that stay unquantized in an FP8 checkpoint (quantization_config.modules_to_not_convert).
 HF_MODULES_NOT_CONVERTED = ("lm_head", "embed_tokens", "norm", "mlp.gate")
+# The FP8 KV cache's scales are powers of two (``FP8Recipe.kv_cache``).
+KV_SCALE_FMT = "ue8m0"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +37,14 @@ class FP8Recipe:
     """Activation and gradient group length along the contraction dimension."""
     amax_eps: float = 1e-10
     """Lower bound of a block's amax (an all-zero block gets a tiny, finite scale)."""
+    kv_cache: Literal["bf16", "fp8"] = "bf16"
+    """Attention keys and values (see ``PrecisionConfig.kv_cache``). ``fp8``: K (after RoPE) and V are quantized
+    to E4M3 per token and KV head, one group of ``head_dim`` values, with a power-of-two scale (the ue8m0 rule
+    above, whatever ``scale_fmt`` says: ``KV_SCALE_FMT``). The rollout stores those bytes and scales in its KV
+    cache; the trainer's attention reads their dequantized values, ``e4m3 * 2^e``, which BF16 holds exactly
+    (3 mantissa bits in 7). A power of two also makes folding the scales into the attention exact: a kernel that
+    multiplies ``q . k8`` by the key's scale, and the softmax weights by the value's, computes with the very
+    values the trainer's attention sees."""
 
     fmt: str = "e4m3"
     dtype: torch.dtype = torch.float8_e4m3fn
@@ -45,6 +55,10 @@ class FP8Recipe:
             raise ValueError(f"FP8Recipe.mode={self.mode!r}: use bf16, fp8_rollout or jet")
         if self.scale_fmt not in ("fp32", "ue8m0"):
             raise ValueError(f"FP8Recipe.scale_fmt={self.scale_fmt!r}: use fp32 or ue8m0")
+        if self.kv_cache not in ("bf16", "fp8"):
+            raise ValueError(f"FP8Recipe.kv_cache={self.kv_cache!r}: use bf16 or fp8")
+        if self.kv_cache == "fp8" and not self.rollout_fp8:
+            raise ValueError("FP8Recipe: kv_cache=fp8 needs mode jet (unified) or fp8_rollout (off-policy baseline)")
         if self.weight_block != (self.group_size, self.group_size):
             raise ValueError("FP8Recipe: weight_block must be (group_size, group_size): the "
                              "backward reuses the forward weight blocks along both dimensions")
@@ -52,7 +66,8 @@ class FP8Recipe:
     @classmethod
     def from_config(cls, precision) -> "FP8Recipe":
         """From a ``config.PrecisionConfig``."""
-        return cls(mode=precision.mode, scale_fmt=precision.scale_fmt, wgrad=precision.wgrad)
+        return cls(mode=precision.mode, scale_fmt=precision.scale_fmt, wgrad=precision.wgrad,
+                   kv_cache=precision.kv_cache)
 
     # -- which side runs FP8 ------------------------------------------------------------------
     @property
@@ -64,6 +79,16 @@ class FP8Recipe:
     def rollout_fp8(self) -> bool:
         """Rollout runs block FP8 (jet and fp8_rollout)."""
         return self.mode in ("jet", "fp8_rollout")
+
+    @property
+    def train_kv_fp8(self) -> bool:
+        """The training forward's attention reads FP8-rounded K/V (jet with ``kv_cache=fp8``: the unified cache)."""
+        return self.kv_cache == "fp8" and self.train_fp8
+
+    @property
+    def rollout_kv_fp8(self) -> bool:
+        """The rollout's KV cache holds E4M3 K/V (``kv_cache=fp8``, jet or fp8_rollout)."""
+        return self.kv_cache == "fp8" and self.rollout_fp8
 
     @staticmethod
     def is_fp8_module(name: str) -> bool:

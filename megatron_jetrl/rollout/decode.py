@@ -8,7 +8,9 @@ can be captured. ``StaticDecoder`` runs the same modules (embedding, norms, ``li
 its own KV cache with static shapes:
 
 - one KV cache for all layers, ``[layers, B, groups, L, dim]``, written in place at the step's
-  position (a device tensor, no host sync);
+  position (a device tensor, no host sync); with ``precision.kv_cache=fp8`` E4M3 bytes plus one power-of-two
+  scale per token and KV head (``[layers, B, groups, L]``), the recipe's KV rule, which the trainer's attention
+  applies to its own K/V (``models/spec.py: SDPAttention``);
 - the attention reads keys ``[:Lb]`` for a length bucket ``Lb`` (a multiple of ``bucket``, widened for
   long contexts so that there are at most ``max_graphs`` buckets: ``wide_bucket``): one CUDA graph per
   bucket, so a step reads the cache up to the next bucket edge instead of the whole ``max_len``; pad and
@@ -17,9 +19,10 @@ its own KV cache with static shapes:
   layers, grouped-query heads reading K/V in place; or (``attention="triton"``,
   ``rollout.decode_attention``) decode steps on ``triton_attn.decode_attention``, which reads the
   key count from the position tensor: keys ``0..pos`` only, no mask tensor, one graph for all lengths;
-- RoPE from the model's own ``rotary_pos_emb`` table, indexed by the step's position, its cos/sin
-  rows computed once per forward; on CUDA RoPE and the KV-cache write are one Triton kernel per
-  layer (``kernels/rope.py``: megatron's unfused RoPE is ~12 small kernels per tensor, same bytes);
+- RoPE from the model's own ``rotary_pos_emb`` table, indexed per row by the token's position in its own
+  sequence (left pads not counted, as in the trainer's forward), its cos/sin rows computed once per forward;
+  on CUDA RoPE and the KV-cache write are one Triton kernel per layer (``kernels/rope.py``: megatron's
+  unfused RoPE is ~12 small kernels per tensor, same bytes);
 - on CUDA the residual add and the RMSNorm are one kernel (``kernels/rmsnorm.py``; optionally with the next
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
@@ -45,6 +48,8 @@ from megatron_jetrl.env import triton_interpreted
 from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
 from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 from megatron_jetrl.models.norm import JetRMSNorm
+from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
+from megatron_jetrl.precision.recipe import FP8Recipe
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,7 @@ class StaticDecoder:
                  bucket: int = RolloutConfig.decode_bucket,
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
                  prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None,
-                 max_graphs: int = RolloutConfig.decode_max_graphs):
+                 max_graphs: int = RolloutConfig.decode_max_graphs, kv_recipe: FP8Recipe | None = None):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -132,6 +137,13 @@ class StaticDecoder:
         # (CUDA, or Triton's CPU interpreter for the tests); prefill always runs SDPA
         if attention not in ("sdpa", "triton"):
             raise ValueError(f"StaticDecoder: attention={attention!r}; use 'sdpa' or 'triton'")
+        # the FP8 KV cache (``kv_recipe``: a recipe with kv_cache=fp8): E4M3 K/V and a power-of-two scale per token
+        # and KV head; decode steps read it with the Triton kernel (SDPA reads no FP8), prefill and the CPU's SDPA
+        # over its dequantized values
+        self.kv_recipe = kv_recipe if kv_recipe is not None and kv_recipe.kv_cache == "fp8" else None
+        if self.kv_recipe is not None and attention == "sdpa" and self.device.type == "cuda":
+            log.info("rollout decode: the FP8 KV cache is read by the Triton decode attention")
+            attention = "triton"
         self.triton_attn = attention == "triton" and (self.device.type == "cuda"
                                                       or triton_interpreted())
         if attention == "triton" and not self.triton_attn:
@@ -140,10 +152,23 @@ class StaticDecoder:
             from megatron_jetrl.kernels.decode_attn import default_splits
 
             self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
+            # (keys per tile, pipeline stages, warps); the FP8 cache's tiles are half the bytes: twice the keys, three
+            # stages and at least two key splits (the fastest plan at 64 x 4K keys on the H200: docs/benchmarks.md)
+            self.attn_plan = (64, 2, 4)
+            if self.kv_recipe is not None:
+                self.attn_plan = (128, 3, 4)
+                self.attn_splits = attn_splits or max(2, self.attn_splits)
         nl, dev = len(self.layers), self.device
-        self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=self.dtype, device=dev)
+        kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
+        self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=kv_dtype, device=dev)
         self.v = torch.zeros_like(self.k)
+        # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] fp32); None with a BF16 cache
+        self.ks = self.vs = None
+        if self.kv_recipe is not None:
+            self.ks = torch.zeros(nl, batch, self.groups, max_len, dtype=torch.float32, device=dev)
+            self.vs = torch.zeros_like(self.ks)
         self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)
+        self.pads = torch.zeros(batch, dtype=torch.long, device=dev)  # each row's left pads (its RoPE offset)
         with torch.no_grad():
             self.freqs = self.gpt.rotary_pos_emb(max_len)  # [L, 1, 1, rot_dim]
         # the decode step's static inputs (its outputs are the captured graphs' own buffers)
@@ -258,33 +283,54 @@ class StaticDecoder:
         S, b = idx.shape[0], q.shape[1]
         f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
-        if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache: one kernel
-            rope_and_cache(q, k, v, cos, sin, kc, vc, idx)
+        ks, vs = (None, None) if self.ks is None else (self.ks[li, rows], self.vs[li, rows])  # [b, g, L]
+        if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache (quantized: FP8 KV): one kernel
+            rope_and_cache(q, k, v, cos, sin, kc, vc, idx, ks, vs, self.kv_recipe)
         else:
             if self.cfg.rotary_interleaved:
                 q, k = apply_rotary_pos_emb(q, f, config=self.cfg), apply_rotary_pos_emb(k, f, config=self.cfg)
             else:
                 q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
-            kc.index_copy_(2, idx, k.permute(1, 2, 0, 3).to(kc.dtype))
-            vc.index_copy_(2, idx, v.permute(1, 2, 0, 3).to(vc.dtype))
+            self._write_kv(kc, vc, ks, vs, k, v, idx)
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
-            out = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits)
+            out = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits,
+                                   *self.attn_plan, k_scale=ks, v_scale=vs)
             return out.view(1, b, self.heads * self.dim)
+        kb, vb = kc[:, :, :Lb], vc[:, :, :Lb]
+        if ks is not None:  # SDPA over the FP8 cache's values (exact in the model's dtype)
+            kb, vb = dequantize_kv(kb, ks[:, :, :Lb], self.dtype), dequantize_kv(vb, vs[:, :, :Lb], self.dtype)
         # SDPA's grouped-query path maps query head h to key/value group h // (heads/groups), the
         # grouping of Megatron's fused QKV; K/V are read in place (measured on the H200 at batch 64,
         # 768 keys: 52 us per layer vs 91 us for matmul + fp32 softmax, 1060 us with K/V expanded)
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kc[:, :, :Lb], vc[:, :, :Lb], attn_mask=mask,
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kb, vb, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(S, out.shape[0], self.heads * self.dim)
+
+    def _write_kv(self, kc, vc, ks, vs, k, v, idx) -> None:
+        """The RoPE'd ``k`` and ``v`` [S, b, g, d] into the cache views at positions ``idx`` (torch ops: the CPU and
+        megatron's interleaved RoPE); an FP8 cache gets ``quant.quantize_kv``'s bytes and scales."""
+        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, S, d]
+        if ks is None:
+            kc.index_copy_(2, idx, k.to(kc.dtype))
+            vc.index_copy_(2, idx, v.to(vc.dtype))
+            return
+        for cache, scales, t in ((kc, ks, k), (vc, vs, v)):
+            q8, s = quantize_kv(t, self.kv_recipe)
+            cache.view(torch.uint8).index_copy_(2, idx, q8.view(torch.uint8))  # FP8 as bytes: every device has it
+            scales.index_copy_(2, idx, s)
 
     def _forward(self, ids: torch.Tensor, rows: slice, pos: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
         """ids [b, S] at positions pos.. -> logits [b, vocab] of the last position. The positions,
         their RoPE rows and the attention mask are computed once here and shared by every layer."""
         b, S = ids.shape
-        idx = pos + torch.arange(S, device=ids.device)
-        f = self.freqs.index_select(0, idx)
+        idx = pos + torch.arange(S, device=ids.device)  # cache columns
+        # each row's RoPE positions count from its first token (left pads excluded), as the trainer's forward and
+        # a server's request number them: the same rotations, so the same K bytes (an FP8 KV cache would round a
+        # shifted rotation differently); a pad column gets position 0 (masked)
+        rp = (idx[:, None] - self.pads[None, rows]).clamp_min_(0)  # [S, b]
+        f = self.freqs.index_select(0, rp.reshape(-1)).view(S, b, *self.freqs.shape[2:])
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
         mask = None if self.triton_attn and not causal else self._mask_bias(rows, idx, Lb, causal)
@@ -330,6 +376,7 @@ class StaticDecoder:
             self.fp = fp
         self.key_ok.zero_()
         self.key_ok[:, :P] = ~key_pad
+        self.pads.copy_(key_pad.sum(1))  # left padding: the pads precede the prompt
         self.pos.fill_(0)
         outs = []
         chunk = self.prefill_rows(P)

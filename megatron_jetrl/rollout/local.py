@@ -2,9 +2,11 @@
 
 It runs the model with the rollout precision (``FP8ModelState.rollout_precision``): in ``jet``
 mode the same cached FP8 weight bytes the training forward uses, in ``fp8_rollout`` mode FP8
-while training stays BF16. Batched generation with a KV cache: left-padded prompts, one prefill,
-then one token per step, sampled on the device. Pad keys are masked; RoPE is relative, so left
-padding does not change the result beyond rounding. Decoding runs on ``rollout/decode.py``'s
+while training stays BF16; with ``precision.kv_cache=fp8`` an E4M3 KV cache whose values the ``jet`` trainer's
+attention reads too. Batched generation with a KV cache: left-padded prompts, one prefill,
+then one token per step, sampled on the device. Pad keys are masked; the static decoder numbers each row's
+positions from its own first token, so left padding changes nothing (the megatron reference decoder numbers
+columns: RoPE is relative, so only the rounding differs). Decoding runs on ``rollout/decode.py``'s
 static-shape decoder (CUDA graphs on GPU; ``decode="static"``) or on megatron-core's eager
 ``StaticInferenceContext`` (``decode="megatron"``, the reference).
 """
@@ -72,9 +74,11 @@ class LocalEngine:
         d, rows = self._decoder, -(-B // ROW_MULTIPLE) * ROW_MULTIPLE
         if d is None or not B <= d.B <= 2 * rows or d.L < max_len:
             self._decoder = None  # free the old cache before allocating the new one
+            recipe = getattr(self.fp8_state, "recipe", None)
             d = StaticDecoder(self.model, rows, max_len,
                               self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda",
-                              attention=self.attention, max_graphs=self.max_graphs)
+                              attention=self.attention, max_graphs=self.max_graphs,
+                              kv_recipe=recipe if recipe is not None and recipe.rollout_kv_fp8 else None)
         self._decoder = d if self.keep_cache else None
         return d
 

@@ -147,7 +147,7 @@ class ServeEngine:
     """The model, the engine over it, and the weight-update state machine."""
 
     def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto",
-                 small_m_max: int = 64):
+                 small_m_max: int = 64, kv_cache: str = "bf16"):
         from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
         from megatron_jetrl.distributed import init_distributed
         from megatron_jetrl.models.builder import DTYPES, build_model
@@ -159,8 +159,11 @@ class ServeEngine:
         with open(os.path.join(model_path, "config.json")) as f:
             qc = json.load(f).get("quantization_config") or {}
         mode = "fp8_rollout" if qc.get("quant_method") == "fp8" else "bf16"
+        if kv_cache == "fp8" and mode == "bf16":
+            raise SystemExit(f"jetrl serve: --kv-cache-dtype fp8_e4m3 is the FP8 precision flow's KV cache; {model_path} "
+                             "is a BF16 checkpoint (no block-FP8 quantization_config): serve its FP8 export")
         self.precision = PrecisionConfig(mode=mode, scale_fmt=qc.get("scale_fmt", "fp32"), backend=backend,
-                                         params_dtype=params_dtype)
+                                         params_dtype=params_dtype, kv_cache=kv_cache)
         self.model_cfg = ModelConfig(hf_path=model_path)
         self.model_path = model_path
         init_distributed(ParallelConfig(), seed)
@@ -624,7 +627,8 @@ def serve(args: argparse.Namespace) -> int:
     server.request_queue_size = 256  # listen backlog (the default 5 reset concurrent clients of a busy worker)
     try:
         server.server_bind()
-        state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max)
+        state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max,
+                            "fp8" if args.kv_cache_dtype == "fp8_e4m3" else "bf16")
         state.weight_version = str(args.weight_version)
         server.RequestHandlerClass = make_handler(state, args.admin_api_key, int(args.max_body_mb * (1 << 20)))
         server.server_activate()
@@ -634,6 +638,7 @@ def serve(args: argparse.Namespace) -> int:
     server.daemon_threads = True
     print(f"jetrl serve: ready on http://{args.host}:{server.server_address[1]} "
           f"({state.model_cfg.model_type}, {'block FP8' if state.recipe.rollout_fp8 else 'BF16'}, "
+          f"{'FP8 KV cache, ' if state.recipe.rollout_kv_fp8 else ''}"
           f"weight_version {state.weight_version})", flush=True)
     try:
         server.serve_forever()
@@ -655,6 +660,10 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--small-m-max", type=int, default=64,
                     help="decode forwards with <= this many tokens use the small-M Triton FP8 GEMM "
                          "(0 = off; precision.small_m_max)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="fp8_e4m3: the FP8 KV cache of precision.kv_cache=fp8 (E4M3 per token and KV head, power-of-two "
+                         "scales: the values a jet trainer's attention reads; not SGLang's per-layer static scale); "
+                         "needs a block-FP8 checkpoint")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

@@ -101,7 +101,8 @@ def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
     """``jetrl serve`` arguments for worker ``index`` of this run."""
     argv = ["--model-path", model_dir, "--port", str(port), "--params-dtype", cfg.precision.params_dtype,
             "--seed", str(cfg.seed + index), "--weight-version", "0",
-            "--small-m-max", str(cfg.precision.small_m_max)]
+            "--small-m-max", str(cfg.precision.small_m_max),
+            "--kv-cache-dtype", "fp8_e4m3" if cfg.precision.kv_cache == "fp8" else "auto"]
     if cfg.rollout.admin_api_key:
         argv += ["--admin-api-key", cfg.rollout.admin_api_key]
     return argv
