@@ -351,7 +351,8 @@ class RolloutConfig:
     with a mask, the kernel family the trainer's attention runs) or ``triton`` (``kernels/decode_attn.py``:
     reads keys up to the step's position only, one CUDA graph for every length; its rounding is independent
     of the trainer's attention, so the train-rollout mismatch is higher: docs/benchmarks.md, "Decode
-    attention"). Prefill always runs SDPA."""
+    attention"). Prefill always runs SDPA. With ``precision.kv_cache=fp8`` decode steps run the Triton kernel
+    whatever this says (SDPA reads no FP8)."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then

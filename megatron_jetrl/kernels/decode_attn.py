@@ -22,6 +22,12 @@ Opt-in (``rollout.decode_attention=triton``; measurements in docs/benchmarks.md,
 8B rollout takes about the same time with either (batch 256: 14.84 / 12.41 s with SDPA vs 14.70 / 12.38 s with
 this kernel, bf16 / jet), while this kernel's rounding, independent of the attention the trainer runs, raises
 the RL step's train-rollout mismatch by about a quarter; so SDPA stays the default.
+With the FP8 KV cache (``precision.kv_cache=fp8``: E4M3 K/V, one power-of-two scale per token and KV head) the
+kernel reads the bytes and scales: K and V tiles converted to fp16 (exact) for fp16 tensor cores (q converted
+once), the key's scale multiplying its fp32 score and the value's scale (times 2^8, kept in fp16's normal range and
+divided out at the end) multiplying the softmax weight; powers of two, so the scales change no rounding. With an
+fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the kernel over the dequantized cache bit for
+bit. The decoder runs this for every decode step with an FP8 cache (SDPA reads no FP8).
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations
