@@ -250,6 +250,16 @@ class PrecisionConfig:
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Model parameter dtype (fp32 master weights always live in the optimizer). The CPU
     embedded run and the parity tests use fp32."""
+    exact: bool = False
+    """Exact on-policy mode (``bf16`` or ``jet``, with ``kv_cache`` either way): every sampled token's logprob equals,
+    bit for bit, the one the trainer's forward computes for it (``mismatch_abs_mean`` exactly 0). The in-process
+    rollout decodes each token with the trainer's own forward over the batch padded to
+    ``model.max_position_embeddings`` positions (no KV cache: every token costs a full forward), the trainer pads
+    its micro-batches to the same length, and both take ``log_softmax(logits / temperature)``; the linears' GEMMs
+    give every row the same bits at any row count (checked in the tests), causal attention ignores the positions
+    after a token. CPU (the emulated FP8 GEMM) only for now: refused on a GPU, whose decode kernels are not yet
+    batch-invariant; needs ``rollout.engine=local`` and ``parallel.tensor_parallel=1``. A reference for the
+    numerics, slow by design (docs/rollout.md, "Exact on-policy mode")."""
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values. ``fp8``: the in-process rollout (``rollout.engine=local`` or ``serve``) keeps an
     E4M3 KV cache, K after RoPE and V quantized per token and KV head with a power-of-two scale (the rule in
@@ -620,6 +630,15 @@ class JetConfig:
         _check(self.rollout.engine == "local" or self.rollout.weight_transport == "disk" or p.pipeline_parallel == 1,
                "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
                "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
+        if self.precision.exact:
+            _check(self.rollout.engine == "local", "precision.exact", f"rollout.engine={self.rollout.engine} samples "
+                   "outside the trainer's forward", "use rollout.engine=local, or precision.exact=false")
+            _check(p.tensor_parallel == 1, "precision.exact", "the exact logprob is taken over the whole vocabulary "
+                   "on one rank", "use parallel.tensor_parallel=1, or precision.exact=false")
+            _check(self.precision.backend != "te", "precision.exact", "TransformerEngine's kernels are not "
+                   "batch-invariant", "use precision.backend=auto, or precision.exact=false")
+            _check(self.precision.mode != "fp8_rollout", "precision.exact", "fp8_rollout samples in another precision "
+                   "than it trains", "use precision.mode=jet or bf16")
         if self.precision.kv_cache == "fp8":
             _check(self.precision.mode != "bf16", "precision.kv_cache", "fp8 is an FP8 precision flow, mode is bf16",
                    "set precision.mode=jet (unified) or fp8_rollout, or precision.kv_cache=bf16")

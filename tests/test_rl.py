@@ -263,6 +263,71 @@ def _tiny_run(run_dir, *overrides):
                              [f"logging.run_dir={run_dir}", "rollout.prompts_per_step=2", *overrides]))
 
 
+@pytest.mark.parametrize("mode", ["jet", "bf16", "jet+fp8kv"])
+def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron_single):
+    """``precision.exact=true`` (CPU, emulated FP8): for batches of 1, 64 and 256 prompts of different lengths
+    (3-19 tokens) every sampled token's logprob equals the one the trainer's forward computes for it, bit for bit
+    (max abs difference exactly 0), through micro-batches of another size than the rollout's batch, and again after
+    the weights change (an optimizer step's worth, the FP8 caches re-quantized); without the mode the same
+    rollouts differ from the trainer in the last bits."""
+    from megatron_jetrl.bench.timing import mode_overrides
+    from megatron_jetrl.models.builder import exact_length
+    from megatron_jetrl.trainer.actor import build_batch, train_logprobs
+
+    make_hf_model("qwen3", str(tmp_path), seed=9)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    worst = {}
+    for exact in (True, False):
+        _, model, state = build_loaded(str(tmp_path), [*mode_overrides(mode), f"precision.exact={str(exact).lower()}",
+                                                       "model.max_position_embeddings=32"])
+        engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=5)
+        g = torch.Generator().manual_seed(0)
+        diffs = []
+        for update in (False, True):
+            if update:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std().clamp_min(1e-3))
+                state.bump()
+            for B in ((1, 64, 256) if not update else (64,)):
+                lens = torch.randint(3, 20, (B,), generator=g)
+                prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in lens]
+                gens = engine.generate(prompts, params)
+                batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
+                                    torch.zeros(B), 0, torch.device("cpu"))
+                seq_len = exact_length(model, batch.tokens.shape[1] - 1) if exact else None
+                lp = train_logprobs(model, batch, params.temperature, 24, seq_len, exact)
+                diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
+        worst[exact] = max(diffs)
+        if exact:
+            assert diffs == [0.0] * len(diffs), diffs
+    assert worst[False] > 0, worst
+
+
+def test_exact_mode_rl_steps_have_zero_mismatch(tmp_path, megatron_single):
+    """RL steps of the tiny preset with ``precision.exact=true``: ``mismatch_abs_mean`` and ``mismatch_abs_max`` are
+    exactly 0 in every step (the old logprobs from the training forward itself, in training mode with autograd),
+    the micro-batches padded to ``max_position_embeddings``; a sequence longer than that is refused with one line;
+    a GPU engine is refused with one line (its kernels are not batch-invariant yet)."""
+    from megatron_jetrl.errors import ConfigError
+    from megatron_jetrl.models.builder import exact_length
+    from megatron_jetrl.train import close, rl_step
+
+    run = _tiny_run(tmp_path / "run", "steps=3", "algo.sft_warmup_steps=0", "data.reward=hash", "precision.exact=true")
+    try:
+        rows = [rl_step(run, step) for step in range(3)]
+        with pytest.raises(ConfigError, match=r"precision.exact: an input of 65 positions is longer than "
+                                              r"model.max_position_embeddings=64"):
+            exact_length(run.actor.model, 65)
+        run.engine.device = torch.device("cuda")  # what a GPU run's engine would see
+        with pytest.raises(ConfigError, match=r"precision.exact: the GPU's decode and GEMM kernels are not batch-invariant"):
+            run.engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=1.0))
+    finally:
+        close(run)
+    assert all(r["mismatch_abs_mean"] == 0.0 and r["mismatch_abs_max"] == 0.0 for r in rows), rows
+    assert all(r["train_seq_len"] == 64.0 and r["grad_norm"] > 0 for r in rows)
+
+
 def test_rl_steps_with_the_fp8_kv_cache(tmp_path, megatron_single):
     """RL steps of the tiny preset with ``precision.kv_cache=fp8``: in jet the rollout's cache is E4M3 and the
     trainer's attention reads the same values, so the train-rollout mismatch stays at the unquantized cache's level

@@ -19,7 +19,7 @@ MODES = ("bf16", "fp8_rollout", "jet")
 def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | None = None) -> dict:
     """One mode (cfg.precision.mode) on random prompts (random weights unless model.hf_path)."""
     from megatron_jetrl.distributed import init_distributed
-    from megatron_jetrl.models.builder import DTYPES, build_model
+    from megatron_jetrl.models.builder import DTYPES, build_model, exact_length
     from megatron_jetrl.models.hf_io import load_hf_weights
     from megatron_jetrl.precision.recipe import FP8Recipe
     from megatron_jetrl.rollout.base import SamplingParams
@@ -40,7 +40,9 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | No
     gens = engine.generate(prompts, params)
     batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
                         torch.zeros(len(gens)), 0, dev)
-    train_lp = train_logprobs(model, batch, params.temperature, cfg.algo.micro_batch_size)
+    exact = state.recipe.exact  # the trainer's exact statement over the exact rollout's length
+    seq_len = exact_length(model, batch.tokens.shape[1] - 1) if exact else None
+    train_lp = train_logprobs(model, batch, params.temperature, cfg.algo.micro_batch_size, seq_len, exact)
     out = {k: float(v) for k, v in L.mismatch_metrics(train_lp, batch.rollout_logp, batch.mask).items()}
     out["tokens"] = float(batch.mask.sum())
     out["mode"] = label or cfg.precision.mode

@@ -10,13 +10,15 @@ import torch
 
 def mode_overrides(name: str) -> list[str]:
     """A benchmark row's precision: ``bf16`` / ``fp8_rollout`` / ``jet``, optionally ``+fp8kv`` (the FP8 KV cache,
-    ``precision.kv_cache=fp8``), as config overrides, e.g. ``jet+fp8kv`` -> mode jet with the FP8 KV cache."""
+    ``precision.kv_cache=fp8``) and ``+exact`` (``precision.exact=true``), as config overrides, e.g. ``jet+fp8kv`` ->
+    mode jet with the FP8 KV cache."""
     mode, *extras = name.split("+")
     out = [f"precision.mode={mode}"]
+    suffixes = {"fp8kv": "precision.kv_cache=fp8", "exact": "precision.exact=true"}
     for e in extras:
-        if e != "fp8kv":
-            raise SystemExit(f"benchmark mode {name!r}: unknown suffix +{e}; use <mode> or <mode>+fp8kv")
-        out.append("precision.kv_cache=fp8")
+        if e not in suffixes:
+            raise SystemExit(f"benchmark mode {name!r}: unknown suffix +{e}; use <mode>[+fp8kv][+exact]")
+        out.append(suffixes[e])
     return out
 
 

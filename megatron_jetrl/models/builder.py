@@ -193,3 +193,19 @@ def apply_precision_settings(state: FP8ModelState, precision) -> None:
     state.fuse_wgrad_accumulation = precision.fuse_wgrad_accumulation
     state.release_bf16_weights = precision.release_bf16_weights
     state.cache_dgrad_weights = precision.cache_dgrad_weights
+
+
+def exact_length(model, tokens: int) -> int:
+    """``precision.exact``: the input length of every forward, the trainer's and the rollout's:
+    ``max_position_embeddings`` of ``model`` (a wrapped GPTModel too), refused with one line when an input of
+    ``tokens`` positions does not fit."""
+    from megatron_jetrl.errors import ConfigError
+
+    while not hasattr(model, "max_position_embeddings") and hasattr(model, "module"):
+        model = model.module
+    L = model.max_position_embeddings
+    if tokens > L:
+        raise ConfigError(f"config error: precision.exact: an input of {tokens} positions is longer than "
+                          f"model.max_position_embeddings={L}, the length exact mode pads every forward to; "
+                          "shorten rollout.max_new_tokens or the prompts")
+    return L

@@ -37,6 +37,10 @@ class FP8Recipe:
     """Activation and gradient group length along the contraction dimension."""
     amax_eps: float = 1e-10
     """Lower bound of a block's amax (an all-zero block gets a tiny, finite scale)."""
+    exact: bool = False
+    """Exact on-policy mode (see ``PrecisionConfig.exact``): the rollout samples from the logits of the trainer's
+    own forward over the same padded shape, and both sides take log-probabilities with one function, so every
+    sampled token's logprob equals the trainer's bit for bit."""
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values (see ``PrecisionConfig.kv_cache``). ``fp8``: K (after RoPE) and V are quantized
     to E4M3 per token and KV head, one group of ``head_dim`` values, with a power-of-two scale (the ue8m0 rule
@@ -67,7 +71,7 @@ class FP8Recipe:
     def from_config(cls, precision) -> "FP8Recipe":
         """From a ``config.PrecisionConfig``."""
         return cls(mode=precision.mode, scale_fmt=precision.scale_fmt, wgrad=precision.wgrad,
-                   kv_cache=precision.kv_cache)
+                   kv_cache=precision.kv_cache, exact=precision.exact)
 
     # -- which side runs FP8 ------------------------------------------------------------------
     @property

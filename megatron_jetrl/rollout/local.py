@@ -98,6 +98,8 @@ class LocalEngine:
         engine's generator."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        if self.fp8_state is not None and self.fp8_state.recipe.exact:
+            return self._generate_exact(prompts, params, seeds)
         if self.decode == "static":
             return self._generate_static(prompts, params, seeds)
         return self._generate_megatron(prompts, params, seeds)
@@ -190,6 +192,50 @@ class LocalEngine:
                 break
             logits = step(ids, t)
         return out_ids, out_lp
+
+    @torch.no_grad()
+    def _generate_exact(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:
+        """``precision.exact``: every token from the trainer's own forward (``model(tokens, positions, None)``, causal,
+        the call the trainer's micro-batches make) over the batch right-padded to ``models.builder.exact_length``
+        positions, the length the trainer pads its micro-batches to: a row's logits at position p are then the bits
+        the trainer's forward computes there (the GEMMs give a row the same bits at any row count, the causal
+        attention ignores the positions after p, checked in the tests), and ``sample_next`` takes
+        ``log_softmax(logits / T)``, the trainer's exact statement. No KV cache: one full forward per token."""
+        from megatron_jetrl.models.builder import exact_length
+
+        if self.device.type == "cuda":
+            from megatron_jetrl.errors import ConfigError
+
+            raise ConfigError("config error: precision.exact: the GPU's decode and GEMM kernels are not batch-invariant "
+                              "yet, exact mode runs on the CPU emulation; set precision.exact=false on a GPU")
+        B, dev = len(prompts), self.device
+        L = exact_length(self.model, max(len(p) for p in prompts) + params.max_new_tokens)
+        tokens = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, device=dev)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)  # each row's last token
+        positions, rows = torch.arange(L, device=dev).expand(B, L), torch.arange(B, device=dev)
+        was_training = self.model.training
+        self.model.eval()
+
+        def forward():  # the logits as the trainer's log_softmax reads them (one rank holds the vocabulary)
+            return self.model(tokens, positions, None)[rows, last]
+
+        def step(ids, t):
+            last.add_(1)
+            tokens[rows, last] = ids
+            return forward()
+
+        try:
+            with self.fp8_state.rollout_precision():
+                self._refresh_fp8()
+                t0 = time.perf_counter()
+                out_ids, out_lp = self._sample_loop(forward(), step, params, self._row_seeds(prompts, seeds))
+                self.last_stats = {"decode_steps": len(out_ids), "generate_s": time.perf_counter() - t0,
+                                   "cuda_graphs": False}
+        finally:
+            self.model.train(was_training)
+        return self._finish(prompts, out_ids, out_lp, params)
 
     @torch.no_grad()
     def _generate_megatron(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:

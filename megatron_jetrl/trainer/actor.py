@@ -61,8 +61,8 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], response_l
 
 
 def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                                with_entropy: bool, entropy_grad: bool = True, fused: Optional[bool] = None
-                                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                                with_entropy: bool, entropy_grad: bool = True, fused: Optional[bool] = None,
+                                exact: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log p(label) under softmax(logits / T) and the entropy, with the vocabulary split over TP
     ranks (megatron-core's vocab-parallel cross entropy; entropy from all-reduced partial sums).
 
@@ -71,11 +71,19 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     [tokens x vocab] logits nor the exp() of it is kept for backward (several GB per micro-batch
     at a 128K vocabulary). On CUDA both come from ``fused_logp.fused_logp_entropy`` (one Triton kernel
     over the bf16 logits each way, no fp32 copy); this eager path is the CPU one and the reference
-    (``fused=False``; None: the fused kernels wherever they run)."""
+    (``fused=False``; None: the fused kernels wherever they run). ``exact`` (``precision.exact``, one rank holds
+    the vocabulary): ``log_softmax(logits.float() / T)`` at the labels, the rollout sampler's own statement
+    (``rollout.base.sample_next``), so the two logprobs are the same bits for the same logits row."""
     from megatron.core import tensor_parallel
 
     from megatron_jetrl.kernels.fused_logp import fused_enabled, fused_logp_entropy
 
+    if exact:
+        z = logits.float() / temperature
+        logp = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        return logp, _entropy(z) if entropy_grad else _entropy(z.detach())
     # CUDA: one kernel forward, one backward, no fp32 logits (kernels/fused_logp.py)
     if fused_enabled(logits) if fused is None else fused:
         logp, entropy = fused_logp_entropy(logits, labels, temperature)
@@ -134,22 +142,24 @@ def train_seq_len(s: int, micro_batch: int, pad_tokens_to: int, fp8_gpu: bool, m
     return padded_length(s, micro_batch, multiple, max_len)
 
 
-def _microbatch(b: RLBatch, seq_len: Optional[int] = None) -> dict:
+def _microbatch(b: RLBatch, seq_len: Optional[int] = None, exact: bool = False) -> dict:
     """The model inputs of a micro-batch (positions 0..S-2), right-padded to ``seq_len`` positions; ``targets``
     are the labels (positions 1..S-1) padded alike. Pad positions come after every real one, so under the
-    causal mask they change nothing before them; :func:`_logp` cuts them off the logprobs."""
+    causal mask they change nothing before them; :func:`_logp` cuts them off the logprobs. ``exact``: the
+    logprobs are taken with the rollout sampler's statement (``precision.exact``)."""
     inputs, targets = b.tokens[:, :-1], b.tokens[:, 1:]
     if seq_len is not None and seq_len > inputs.shape[1]:
         pad = (0, seq_len - inputs.shape[1])
         inputs, targets = torch.nn.functional.pad(inputs, pad), torch.nn.functional.pad(targets, pad)
     return {"tokens": inputs, "position_ids": torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs),
-            "targets": targets, "batch": b}
+            "targets": targets, "batch": b, "exact": exact}
 
 
 def _logp(mb: dict, logits: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True
           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`vocab_parallel_logp_entropy` of a micro-batch's targets, without its pad positions ([b, S-1])."""
-    logp, ent = vocab_parallel_logp_entropy(logits, mb["targets"], temperature, with_entropy, entropy_grad)
+    logp, ent = vocab_parallel_logp_entropy(logits, mb["targets"], temperature, with_entropy, entropy_grad,
+                                            exact=mb.get("exact", False))
     n = mb["batch"].tokens.shape[1] - 1
     if logp.shape[1] != n:
         logp, ent = logp[:, :n], None if ent is None else ent[:, :n]
@@ -158,10 +168,10 @@ def _logp(mb: dict, logits: torch.Tensor, temperature: float, with_entropy: bool
 
 @torch.no_grad()
 def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: int,
-                   seq_len: Optional[int] = None) -> Optional[torch.Tensor]:
+                   seq_len: Optional[int] = None, exact: bool = False) -> Optional[torch.Tensor]:
     """Logprobs of ``batch``'s labels [N, S-1] from a forward of ``model`` in its current (training)
-    precision, through the pipeline schedule (inputs right-padded to ``seq_len``); None on non-last
-    pipeline stages."""
+    precision, through the pipeline schedule (inputs right-padded to ``seq_len``; ``exact``: see
+    :func:`_microbatch`); None on non-last pipeline stages."""
     from megatron.core import parallel_state
 
     out = []
@@ -173,7 +183,7 @@ def train_logprobs(model, batch: RLBatch, temperature: float, micro_batch_size: 
 
     was = model.training
     model.eval()
-    run_microbatches(model, [_microbatch(b, seq_len) for b in batch.split(micro_batch_size)], loss_func, True)
+    run_microbatches(model, [_microbatch(b, seq_len, exact) for b in batch.split(micro_batch_size)], loss_func, True)
     model.train(was)
     return torch.cat(out) if parallel_state.is_pipeline_last_stage() else None
 
@@ -362,11 +372,16 @@ class Actor:
         if model is None:
             self.release_weights()
         return train_logprobs(model or self.model, batch, self.temperature, self.algo.micro_batch_size,
-                              self.seq_len(batch))
+                              self.seq_len(batch), self.fp8_state.recipe.exact)
 
     def seq_len(self, batch: RLBatch) -> int:
-        """The model's input length for ``batch``'s micro-batches (``algo.pad_tokens_to``)."""
+        """The model's input length for ``batch``'s micro-batches (``algo.pad_tokens_to``; ``precision.exact``: the
+        model's ``max_position_embeddings``, the length the exact rollout decodes at)."""
         s = batch.tokens.shape[1] - 1
+        if self.fp8_state.recipe.exact:
+            from megatron_jetrl.models.builder import exact_length
+
+            return exact_length(self.module, s)
         return train_seq_len(s, min(self.algo.micro_batch_size, batch.tokens.shape[0]), self.algo.pad_tokens_to,
                              self._fp8_gpu, getattr(self.module, "max_position_embeddings", None))
 
@@ -473,7 +488,8 @@ class Actor:
         self.optimizer.zero_grad()
         t0 = time.perf_counter()
         seq_len = self.seq_len(batch)
-        run_microbatches(self.model, [_microbatch(b, seq_len) for b in mbs], loss_func, forward_only=False)
+        exact = self.fp8_state.recipe.exact
+        run_microbatches(self.model, [_microbatch(b, seq_len, exact) for b in mbs], loss_func, forward_only=False)
         drop_dgrad_weights(self.module)
         if torch.cuda.is_available():  # the optimizer waits for the backward anyway (its non-finite check):
             torch.cuda.synchronize()  # waiting here puts the backward's GPU time in fwd_bwd, not in the optimizer's
@@ -503,7 +519,8 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         seq_len = self.seq_len(batch)
-        run_microbatches(self.model, [_microbatch(b, seq_len) for b in mbs], loss_func, forward_only=False)
+        exact = self.fp8_state.recipe.exact
+        run_microbatches(self.model, [_microbatch(b, seq_len, exact) for b in mbs], loss_func, forward_only=False)
         drop_dgrad_weights(self.module)
         out = self._optimizer_step(self.algo.sft_lr)
         out["sft_loss"] = float(sum(losses) / len(losses)) if losses else 0.0
