@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json, mode_overrides
+from megatron_jetrl.bench.timing import MODES_HELP, dump_json, mode_overrides
 
 MODES = ("bf16", "fp8_rollout", "jet")
 
@@ -60,7 +60,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="jetrl mismatch", description=__doc__)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--config")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; a mode+fp8kv adds the FP8 KV cache")
+    ap.add_argument("--modes", default=",".join(MODES), help=MODES_HELP)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--json")

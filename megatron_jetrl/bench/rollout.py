@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json, mode_overrides, print_table
+from megatron_jetrl.bench.timing import MODES_HELP, dump_json, mode_overrides, print_table
 
 WARMUP_TOKENS = 1024  # the untimed first rollout's length at most (graph capture and compiles happen there)
 
@@ -112,9 +112,10 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     gens = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
     st = engine.last_stats
     capture = st.get("graph_capture_s", 0.0)
-    wall = time.perf_counter() - t0 - capture
+    wall = elapsed - capture
     steps = st.get("decode_steps", new_tokens)
     # prefill alone, for the per-step decode time: one more prefill on the same decoder
     dec = engine._decoder
@@ -143,7 +144,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     elem = (1 + 4 / hd) if state.recipe.rollout_kv_fp8 else (2 if cfg.precision.params_dtype == "bf16" else 4)
     kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * hd * elem
     mean_len = prompt_len + steps / 2
-    decode_ms = (st.get("generate_s", wall) - capture - prefill) / max(1, steps - 1) * 1e3
+    decode_ms = (st.get("generate_s", elapsed) - capture - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
            "prompt_len": prompt_len, "new_tokens": steps,
@@ -177,7 +178,7 @@ def main(argv=None) -> list[dict]:
 
     ap = argparse.ArgumentParser(prog="jetrl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--modes", default="bf16,jet", help="comma-separated; a mode+fp8kv adds the FP8 KV cache")
+    ap.add_argument("--modes", default="bf16,jet", help=MODES_HELP)
     ap.add_argument("--batch", default="256", help="comma-separated batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", default="1024", help="comma-separated response lengths")

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from megatron_jetrl.bench.timing import dump_json, mode_overrides, print_table
+from megatron_jetrl.bench.timing import MODES_HELP, dump_json, mode_overrides, print_table
 
 PHASES = ("rollout", "logprob", "train", "weight_sync")
 
@@ -105,7 +105,7 @@ def main(argv=None) -> list[dict]:
 
     ap = argparse.ArgumentParser(prog="jetrl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--modes", default="bf16,fp8_rollout,jet")
+    ap.add_argument("--modes", default="bf16,fp8_rollout,jet", help=MODES_HELP)
     ap.add_argument("--steps", type=int, default=5, help="measured RL steps per mode")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--plot", help="write the phase-time PNG here")

@@ -8,6 +8,9 @@ import time
 import torch
 
 
+MODES_HELP = "comma-separated precision modes; each may add +fp8kv (the FP8 KV cache) and +exact (exact on-policy mode)"
+
+
 def mode_overrides(name: str) -> list[str]:
     """A benchmark row's precision: ``bf16`` / ``fp8_rollout`` / ``jet``, optionally ``+fp8kv`` (the FP8 KV cache,
     ``precision.kv_cache=fp8``) and ``+exact`` (``precision.exact=true``), as config overrides, e.g. ``jet+fp8kv`` ->

@@ -123,13 +123,13 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     if S == 0 or b == 0:
         return
     if not fp8:
-        k_scale = v_scale = k_cache  # unused (KV_FP8 off)
+        k_scale = v_scale = k_cache  # unused (KV_FP8 off), as the quantizer's constants below
+        recipe = recipe or FP8Recipe()
     grid = (S, b, H + G)
     _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale, idx, cos.shape[0] // S, H,
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
                           k_cache.stride(2), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-                          1.0 / (recipe.fp8_max if fp8 else 448.0), recipe.fp8_max if fp8 else 448.0,
-                          recipe.amax_eps if fp8 else 1e-10, ROT=rot, HALF=rot // 2, D=D,
+                          1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, ROT=rot, HALF=rot // 2, D=D,
                           BLOCK_D=triton.next_power_of_2(D), KV_FP8=fp8,
                           num_warps=1, enable_fp_fusion=False,)  # no FMA: one rounding per op, as torch
