@@ -17,6 +17,7 @@ KIND = {
     "test_rl.py": "e2e", "test_fleet.py": "e2e", "test_chat_eval.py": "e2e", "test_reliability.py": "e2e",
     "test_convert.py": "e2e", "test_launch.py": "e2e", "test_bench.py": "e2e",
     "test_gpu_quant.py": "gpu", "test_gpu_gemm.py": "gpu", "test_gpu_decode.py": "gpu", "test_gpu_model.py": "gpu",
+    "test_gpu_exact.py": "gpu",
 }
 
 

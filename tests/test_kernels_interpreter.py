@@ -474,3 +474,62 @@ for fmt in ("fp32", "ue8m0"):
 print("ok")
 '''
     run_interpreted(code)
+
+
+def test_exact_mode_kernels_under_the_interpreter():
+    """Exact mode's kernels (``kernels/exact_attn.py``, ``kernels/exact_gemm.py``; CUDA in production) under the
+    interpreter, fp32 (its BF16 is not the GPU's): the attention of a query decoded over a left-padded cache
+    (keys from the row's first token; stale values around it) is the bytes of the same query in the training call
+    over the whole sequence, at and around the 64-key block edges, and in a prefill whose tiles are not the
+    training call's; the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales give the bytes of the
+    dequantized values. The GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at
+    1-129 rows (one program per K segment) are those of the 300-row call with the segments summed in the program, and
+    the product is the reference's to fp32 rounding."""
+    code = r'''
+import torch, torch.nn.functional as F
+from megatron_jetrl.kernels.exact_attn import exact_attention
+from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm, segments
+from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, dequantize_kv, quantize_act,
+                                            quantize_kv, quantize_weight)
+from megatron_jetrl.precision.recipe import FP8Recipe
+g = torch.Generator().manual_seed(0)
+b, S, H, G, D, L = 3, 140, 8, 2, 32, 200
+q, k, v = (torch.randn(S, b, h, D, generator=g) for h in (H, G, G))
+zero = torch.zeros(b, dtype=torch.long)
+train = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1])
+ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
+                                     scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3).reshape(S, b, H * D)
+assert (train - ref).abs().max() < 1e-5, (train - ref).abs().max()
+pads = torch.tensor([0, 5, 60])
+kc, vc = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+for r in range(b):
+    p = int(pads[r])
+    kc[r, :, p:p + S], vc[r, :, p:p + S] = k[:, r].permute(1, 0, 2), v[:, r].permute(1, 0, 2)
+for i in (0, 1, 63, 64, 65, 128, S - 1):
+    for r in range(b):
+        out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1], pads[r:r + 1] + i)
+        assert torch.equal(out.view(-1), train[i, r]), (i, r)
+out = exact_attention(q[3:90, 2:3], kc[2:3], vc[2:3], D ** -0.5, pads[2:3], pads[2:3] + 3)  # a prefill's tiles
+assert torch.equal(out[:, 0], train[3:90, 2])
+rec = FP8Recipe(kv_cache="fp8")
+(kq, ks), (vq, vs) = quantize_kv(kc, rec), quantize_kv(vc, rec)
+o8 = exact_attention(q[:, :2], kq[:2], vq[:2], D ** -0.5, pads[:2], zero[:1], ks[:2], vs[:2])
+od = exact_attention(q[:, :2], dequantize_kv(kq[:2], ks[:2], torch.float32), dequantize_kv(vq[:2], vs[:2], torch.float32),
+                     D ** -0.5, pads[:2], zero[:1])
+assert torch.equal(o8, od)
+N, K = 384, 1024
+x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
+assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4
+y = exact_mm(x, w, split=False)
+assert (y - x @ w.t()).abs().max() < 1e-4
+r8 = FP8Recipe()
+(xq, xs), (xq_c, xs_c), (wq, ws) = quantize_act(x, r8), quantize_act(x, r8, scale_col_major=True), quantize_weight(w, r8)
+y8 = exact_block_gemm(xq, xs, wq, ws, torch.float32, split=False)
+assert torch.equal(exact_block_gemm(xq_c, xs_c, wq, ws, torch.float32), y8)
+assert (y8 - dequantize_act(xq, xs, 128) @ dequantize_blocks(wq, ws, 128, 128).t()).abs().max() < 1e-3
+for m in (1, 2, 64, 129):
+    assert torch.equal(exact_mm(x[:m], w), y[:m]), m
+    assert torch.equal(exact_block_gemm(xq[:m], xs[:m], wq, ws, torch.float32), y8[:m]), m
+print("ok")
+'''
+    run_interpreted(code)

@@ -3,7 +3,7 @@
 # tables and plots under $OUT (default gpu_out/). megatron-core: installed already, or its wheel in .whl/ (installed
 # into /tmp/site). Usage:
 #   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
-# GPU_K=expr limits the tests part to pytest -k expr; BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
+# GPU_K=expr limits the tests part to pytest -k expr (GPU_TESTS: the test files, TESTS_TIMEOUT its limit); BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_TOKENS/RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
@@ -27,7 +27,7 @@ PARTS="$*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 if want tests; then
-  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_quant.py tests/test_gpu_gemm.py tests/test_gpu_decode.py tests/test_gpu_model.py -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu ${GPU_TESTS:-tests/test_gpu_exact.py tests/test_gpu_quant.py tests/test_gpu_gemm.py tests/test_gpu_decode.py tests/test_gpu_model.py} -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
 fi
 if want linear; then
   timeout 150 python3 -m megatron_jetrl.cli bench linear --profile --json $OUT/bench_linear.json 2>&1 | tee $OUT/bench_linear.txt

@@ -128,6 +128,17 @@ class _ToBatchMajor(torch.autograd.Function):
         return g.transpose(0, 1).contiguous()
 
 
+def _exact_output_impl(self, input, weight, *args, **kwargs):
+    """The LM head's GEMM in exact mode (``precision.exact``): the batch-invariant kernel where it runs
+    (``precision.linear.exact_kernels``), so the decoder's last-position logits are the trainer's bits; megatron's
+    otherwise (the CPU emulation, whose GEMM is row-invariant from 2 rows up)."""
+    from megatron_jetrl.precision.linear import exact_kernels, exact_linear
+
+    if exact_kernels(input):
+        return exact_linear(input, weight, kwargs.get("bias"))
+    return type(self)._forward_impl(self, input, weight, *args, **kwargs)
+
+
 def _note_labels(gpt, args, kwargs):
     """``GPTModel`` forward pre-hook: the LM head may write batch-major logits only when the model returns them
     (no ``labels``, the 5th argument of ``GPTModel.forward``)."""
@@ -174,6 +185,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, recipe: FP8Recipe,
     if gpt.post_process:
         gpt.output_layer.forward = types.MethodType(_batch_major_output, gpt.output_layer)
         gpt.register_forward_pre_hook(_note_labels, with_kwargs=True)
+        if recipe.exact:  # the LM head on the batch-invariant GEMM too (precision.exact)
+            gpt.output_layer._forward_impl = types.MethodType(_exact_output_impl, gpt.output_layer)
     if te:  # TE owns the FP8 forward/backward and the FP8 weight bytes (exported as they are)
         state = FP8ModelState(recipe, "te")
         state.forward_fp8 = False  # our FP8 linears are not in this model

@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_jetrl.precision.linear import FP8LinearMixin
+from megatron_jetrl.precision.linear import FP8LinearMixin, exact_kernels
 from megatron_jetrl.precision.quant import kv_fake_quant
 
 
@@ -41,7 +41,8 @@ class SDPAttention(MegatronModule):
     """Core attention on SDPA. Inputs [s, b, heads, dim] (keys/values with the local query
     groups, keys after RoPE), output [s, b, heads * dim]. BF16; with ``precision.kv_cache=fp8`` (jet) over the
     FP8 KV cache's values of K and V (``quant.kv_fake_quant``: the rollout's cache holds the same values, the
-    gradient passes the rounding straight through)."""
+    gradient passes the rounding straight through). With ``precision.exact`` on the batch-invariant kernels
+    (``precision.linear.exact_kernels``) the forward is ``kernels/exact_attn.py``'s, the rollout decoder's own."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -64,6 +65,13 @@ class SDPAttention(MegatronModule):
         state = self.fp8_state
         if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
             key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
+        if state is not None and state.recipe.exact and exact_kernels(query):
+            # exact mode: the kernel the rollout's decoder runs, keys from position 0 in a fixed order
+            if attention_mask is not None or sq != sk:
+                raise ValueError("SDPAttention: exact mode runs causal self-attention over whole sequences only")
+            from megatron_jetrl.kernels.exact_attn import ExactAttention
+
+            return ExactAttention.apply(query, key, value, self.softmax_scale)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         mask, causal = None, False
         if attention_mask is not None and attention_mask.shape[-2:] == (sq, sk):

@@ -233,10 +233,17 @@ class FP8WeightCache:
         return out
 
 
-def _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, out_dtype, group, lead):
+def _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, out_dtype, group, lead, exact=False):
     """The FP8 forward GEMM on quantized activations: ``y = xq @ qweight^T`` in block FP8, its columns put
-    back in Megatron's row order (``inv_perm``, the rollout-order fused QKV), shaped ``[*lead, N]``."""
-    y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=out_dtype, group=group)
+    back in Megatron's row order (``inv_perm``, the rollout-order fused QKV), shaped ``[*lead, N]``. ``exact``
+    (``precision.exact`` on CUDA): the batch-invariant kernel (``kernels/exact_gemm.py``), the same bits for a row
+    in the decoder's step and in the trainer's micro-batch."""
+    if exact:
+        from megatron_jetrl.kernels.exact_gemm import exact_block_gemm
+
+        y = exact_block_gemm(xq, xs, qweight, scale_inv, out_dtype, group)
+    else:
+        y = block_gemm(xq, xs, qweight, scale_inv, backend, out_dtype=out_dtype, group=group)
     if inv_perm is not None:
         y = y.index_select(1, inv_perm)
     return y.view(*lead, y.shape[-1])
@@ -247,10 +254,10 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, fused_dy=True,
-                cache=None):
+                cache=None, exact=False):
         lead, K = x.shape[:-1], x.shape[-1]
         xq, xs = quantize_act(x.reshape(-1, K), recipe, scale_col_major=backend == "scaled_mm")
-        y = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, x.dtype, recipe.group_size, lead)
+        y = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, x.dtype, recipe.group_size, lead, exact)
         ctx.save_for_backward(xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, x.dtype
         ctx.weight = weight if fuse_accum else None
@@ -261,7 +268,7 @@ class FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         xq, xs, qweight, scale_inv, perm, inv_perm = ctx.saved_tensors
         dx, dw = _fp8_backward(ctx, dy, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 _ACCUMULATE_FAILED: list = []
@@ -351,12 +358,12 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weight, qweight, scale_inv, inv_perm, perm, recipe, backend, fuse_accum=False, fused_dy=True,
-                cache=None):
+                cache=None, exact=False):
         from megatron_jetrl.precision.quant import quantize_swiglu
 
         lead = y.shape[:-1]
         xq, xs = quantize_swiglu(y.reshape(-1, y.shape[-1]), recipe, scale_col_major=backend == "scaled_mm")
-        out = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, y.dtype, recipe.group_size, lead)
+        out = _forward_gemm(xq, xs, qweight, scale_inv, inv_perm, backend, y.dtype, recipe.group_size, lead, exact)
         ctx.save_for_backward(y, xq, xs, qweight, scale_inv, perm, inv_perm)
         ctx.recipe, ctx.backend, ctx.wdtype, ctx.xdtype = recipe, backend, weight.dtype, y.dtype
         ctx.weight = weight if fuse_accum else None
@@ -369,7 +376,7 @@ class FP8SwigluLinearFunction(torch.autograd.Function):
         from megatron_jetrl.precision.quant import swiglu_backward
 
         da, dw = _fp8_backward(ctx, dout, xq, xs, qweight, scale_inv, perm, inv_perm)
-        return swiglu_backward(y, da), dw, None, None, None, None, None, None, None, None, None
+        return swiglu_backward(y, da), dw, None, None, None, None, None, None, None, None, None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +399,23 @@ class CallHints:
     rollout_layout_output: bool = False
     """The static decoder around an inference call of a fused QKV: the FP8 output stays in the cache's rollout row
     order (``[q | k | v]``, what SGLang's ``qkv_proj`` computes) instead of Megatron's interleaved order."""
+
+
+def exact_kernels(x: torch.Tensor) -> bool:
+    """Whether exact mode (``precision.exact``) runs on the batch-invariant kernels for ``x``: on CUDA, and on the
+    CPU under Triton's interpreter (the tests). Otherwise the CPU emulation's own path (``rollout/local.py``)."""
+    from megatron_jetrl.env import triton_interpreted
+
+    return x.is_cuda or triton_interpreted()
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A BF16 linear in exact mode (``bf16`` mode's linears, the LM head, FP8-shape fallbacks): the forward on the
+    batch-invariant GEMM (``kernels/exact_gemm.py``), a plain backward. TP = 1 (exact mode's requirement)."""
+    from megatron_jetrl.kernels.exact_gemm import ExactLinearFunction
+
+    y = ExactLinearFunction.apply(x, weight)
+    return y if bias is None else y + bias
 
 
 class FP8LinearMixin:
@@ -437,7 +461,10 @@ class FP8LinearMixin:
                 raise RuntimeError("rollout_layout_output is for inference forwards (no autograd)")
             inv_perm, perm = None, None
             bias = None if bias is None else bias.index_select(0, cache.perm.to(bias.device))
-        if (not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
+        exact = self.fp8_state.recipe.exact and exact_kernels(input)
+        if exact and inv_perm is not None and (self.hints.rollout_layout_output or self.hints.defer_split_sum):
+            raise RuntimeError("exact mode: the decoder calls its linears as the trainer does (no layout hints)")
+        if (not exact and not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
                 and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
             from megatron_jetrl.precision.quant import swiglu
             from megatron_jetrl.kernels.triton_gemm import small_m_linear
@@ -462,7 +489,7 @@ class FP8LinearMixin:
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
         pre = self.hints.prequantized_input
-        if (pre is not None and not torch.is_grad_enabled() and not self.hints.swiglu_input
+        if (pre is not None and not exact and not torch.is_grad_enabled() and not self.hints.swiglu_input
                 and pre[0].shape == (M, input.shape[-1])):
             # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
             # scales in cuBLAS's column-major layout): the GEMM alone, no quantizer launch
@@ -472,7 +499,7 @@ class FP8LinearMixin:
         fn = FP8SwigluLinearFunction if self.hints.swiglu_input else FP8LinearFunction
         out = fn.apply(input, weight, qweight, scale_inv, inv_perm, perm, self.fp8_state.recipe, self.fp8_backend,
                        self.fp8_state.fuse_wgrad_accumulation, self.fp8_state.fused_dy_quant,
-                       cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None)
+                       cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None, exact)
         return out if bias is None else out + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):
@@ -481,6 +508,8 @@ class FP8LinearMixin:
                 from megatron_jetrl.precision.quant import swiglu
 
                 input = swiglu(input)
+            if self.fp8_state is not None and self.fp8_state.recipe.exact and exact_kernels(input):
+                return exact_linear(input, weight, kwargs.get("bias"))
             return super()._forward_impl(input, weight, *args, **kwargs)
         return self._fp8_matmul(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
                                 kwargs.get("tp_group"))

@@ -27,6 +27,10 @@ its own KV cache with static shapes:
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
+Exact mode (``precision.exact``, ``exact=True``): no fusions, the linears called as the trainer's forward calls
+them, and prefill and decode steps on ``kernels/exact_attn.py`` with keys from each row's first token; with the
+batch-invariant GEMMs (``kernels/exact_gemm.py``) a row's logits are the bits of the trainer's forward.
+
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations).
 Sampling stays outside the graph (on the GPU, no host sync; one Triton kernel for temperature
 sampling, ``kernels/sample.py``). Graphs are captured on first use of a bucket
@@ -98,7 +102,8 @@ class StaticDecoder:
                  bucket: int = RolloutConfig.decode_bucket,
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
                  prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None,
-                 max_graphs: int = RolloutConfig.decode_max_graphs, kv_recipe: FP8Recipe | None = None):
+                 max_graphs: int = RolloutConfig.decode_max_graphs, kv_recipe: FP8Recipe | None = None,
+                 exact: bool = False):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -121,7 +126,13 @@ class StaticDecoder:
         self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
         # (CUDA, the one-kernel RMSNorm of kernels/rmsnorm.py)
-        self.fuse_add_norm = self.device.type == "cuda"
+        self.fuse_add_norm = self.device.type == "cuda" and not exact
+        # exact mode (precision.exact): every op as the trainer's forward runs it (the modules' own calls, no
+        # fusions), the GEMMs and the attention on the batch-invariant kernels (kernels/exact_gemm.py,
+        # kernels/exact_attn.py; CUDA, or Triton's CPU interpreter): a row's logits are the trainer's bits
+        self.exact = exact
+        if exact and not (self.device.type == "cuda" or triton_interpreted()):
+            raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
         # fewer per 32-layer step; same bytes; docs/benchmarks.md, "In-process rollout"), for the small-M GEMM and for
         # the linears above small_m_max rows (cuBLAS's GEMM: batch 256, the prefill; scales column-major as
@@ -144,11 +155,10 @@ class StaticDecoder:
         if self.kv_recipe is not None and attention == "sdpa" and self.device.type == "cuda":
             log.info("rollout decode: the FP8 KV cache is read by the Triton decode attention")
             attention = "triton"
-        self.triton_attn = attention == "triton" and (self.device.type == "cuda"
-                                                      or triton_interpreted())
+        self.triton_attn = (exact or attention == "triton") and (self.device.type == "cuda" or triton_interpreted())
         if attention == "triton" and not self.triton_attn:
             log.info("rollout decode: the Triton decode attention needs CUDA; using SDPA")
-        if self.triton_attn:
+        if self.triton_attn and not exact:
             from megatron_jetrl.kernels.decode_attn import default_splits
 
             self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
@@ -258,7 +268,7 @@ class StaticDecoder:
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
         hinted = lin.hinted if hasattr(lin, "hinted") else None
-        if (cache is None or cache.perm is None or not lin.fp8_active()
+        if (self.exact or cache is None or cache.perm is None or not lin.fp8_active()
                 or attn.config.num_query_groups < attn.world_size):
             if hinted is None or xq is None:
                 return attn.get_query_key_value_tensors(x, None)
@@ -292,6 +302,10 @@ class StaticDecoder:
             else:
                 q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
             self._write_kv(kc, vc, ks, vs, k, v, idx)
+        if self.exact:  # prefill and decode steps: the trainer's attention kernel, keys from the row's first token
+            from megatron_jetrl.kernels.exact_attn import exact_attention
+
+            return exact_attention(q, kc, vc, self.scale, self.pads[rows], idx[:1], ks, vs)
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
@@ -333,7 +347,7 @@ class StaticDecoder:
         f = self.freqs.index_select(0, rp.reshape(-1)).view(S, b, *self.freqs.shape[2:])
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
-        mask = None if self.triton_attn and not causal else self._mask_bias(rows, idx, Lb, causal)
+        mask = None if self.exact or (self.triton_attn and not causal) else self._mask_bias(rows, idx, Lb, causal)
         delta, splits = None, 1  # the last block's output (or its split-K partials), added by the next norm
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
@@ -425,7 +439,8 @@ class StaticDecoder:
                     state = m.fp8_state
                     q, sc = m.fp8_weight()
                     weights.setdefault(tuple(q.shape), []).append((q, sc))
-        if state is None or getattr(state, "decode_gemm", "tune") != "tune" or self.B <= state.small_m_max:
+        if (state is None or getattr(state, "decode_gemm", "tune") != "tune" or self.B <= state.small_m_max
+                or self.exact):
             return
         t0 = time.perf_counter()
         self.gemm_tuning = tune_kernels(self.B, weights)

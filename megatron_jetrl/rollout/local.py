@@ -78,7 +78,8 @@ class LocalEngine:
             d = StaticDecoder(self.model, rows, max_len,
                               self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda",
                               attention=self.attention, max_graphs=self.max_graphs,
-                              kv_recipe=recipe if recipe is not None and recipe.rollout_kv_fp8 else None)
+                              kv_recipe=recipe if recipe is not None and recipe.rollout_kv_fp8 else None,
+                              exact=recipe is not None and recipe.exact)
         self._decoder = d if self.keep_cache else None
         return d
 
@@ -99,6 +100,10 @@ class LocalEngine:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         if self.fp8_state is not None and self.fp8_state.recipe.exact:
+            from megatron_jetrl.precision.linear import exact_kernels
+
+            if exact_kernels(torch.empty(0, device=self.device)):  # the static decoder on batch-invariant kernels
+                return self._generate_static(prompts, params, seeds)
             return self._generate_exact(prompts, params, seeds)
         if self.decode == "static":
             return self._generate_static(prompts, params, seeds)
@@ -177,8 +182,10 @@ class LocalEngine:
         done = torch.zeros(B, dtype=torch.bool, device=logits.device)
         stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
         # the fused sampler's Philox stream: one seed per rollout from the engine's generator, + step
+        # (not in exact mode: its logprob is the trainer's statement, log_softmax(logits.float() / T))
+        exact = self.fp8_state is not None and self.fp8_state.recipe.exact
         seed = (int(torch.randint(0, 2**30, (1,), generator=self.generator, device=self.generator.device))
-                if fused_sampling(logits, params) and seeded is None else None)
+                if fused_sampling(logits, params) and seeded is None and not exact else None)
         for t in range(params.max_new_tokens):
             ids, lp = sample_next(logits, params, self.generator, None if seed is None else seed + 7919 * t,
                                   *((seeded[0], seeded[1] + t) if seeded is not None else ()))
@@ -195,7 +202,8 @@ class LocalEngine:
 
     @torch.no_grad()
     def _generate_exact(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:
-        """``precision.exact``: every token from the trainer's own forward (``model(tokens, positions, None)``, causal,
+        """``precision.exact`` on the CPU emulation (CUDA runs the static decoder on the batch-invariant kernels):
+        every token from the trainer's own forward (``model(tokens, positions, None)``, causal,
         the call the trainer's micro-batches make) over the batch right-padded to ``models.builder.exact_length``
         positions, the length the trainer pads its micro-batches to: a row's logits at position p are then the bits
         the trainer's forward computes there (the GEMMs give a row the same bits at any row count, the causal
@@ -203,11 +211,6 @@ class LocalEngine:
         ``log_softmax(logits / T)``, the trainer's exact statement. No KV cache: one full forward per token."""
         from megatron_jetrl.models.builder import exact_length
 
-        if self.device.type == "cuda":
-            from megatron_jetrl.errors import ConfigError
-
-            raise ConfigError("config error: precision.exact: the GPU's decode and GEMM kernels are not batch-invariant "
-                              "yet, exact mode runs on the CPU emulation; set precision.exact=false on a GPU")
         B, dev = len(prompts), self.device
         L = exact_length(self.model, max(len(p) for p in prompts) + params.max_new_tokens)
         tokens = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)

@@ -375,10 +375,13 @@ class Actor:
                               self.seq_len(batch), self.fp8_state.recipe.exact)
 
     def seq_len(self, batch: RLBatch) -> int:
-        """The model's input length for ``batch``'s micro-batches (``algo.pad_tokens_to``; ``precision.exact``: the
-        model's ``max_position_embeddings``, the length the exact rollout decodes at)."""
+        """The model's input length for ``batch``'s micro-batches (``algo.pad_tokens_to``; ``precision.exact`` on the
+        CPU emulation: the model's ``max_position_embeddings``, the length its exact rollout decodes at; the
+        batch-invariant kernels need no common length)."""
+        from megatron_jetrl.precision.linear import exact_kernels
+
         s = batch.tokens.shape[1] - 1
-        if self.fp8_state.recipe.exact:
+        if self.fp8_state.recipe.exact and not exact_kernels(batch.tokens):
             from megatron_jetrl.models.builder import exact_length
 
             return exact_length(self.module, s)

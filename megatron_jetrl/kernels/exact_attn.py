@@ -1,0 +1,178 @@
+"""Exact-mode attention: one kernel for the training forward and for the decoder, the same bits for a
+query whichever of the two computes it (``precision.exact`` on CUDA; Triton).
+
+A decode step (one query over a KV cache) and the training forward (every query of a sequence at once)
+round differently in SDPA, and the activation quantizer after the attention turns those last bits into
+whole E4M3 steps. This kernel reduces over keys in a fixed order that depends on nothing but the query's
+own position, so the rollout's decoder and the trainer's forward give a query the same output bytes:
+
+- one program owns a tile of ``R`` query rows (``R = max(16, next_pow2(heads per group))``): ``R // hpg``
+  consecutive positions x the ``hpg`` query heads of one key/value group, so a program reads its group's K/V
+  tiles once for all of them (grouped-query attention); in the decoder's step the tile holds one position;
+- keys are visited in blocks of ``BLOCK_N`` starting at the row's first real key ``k0`` (the decoder's left
+  pads are skipped, the trainer's sequences start at 0), so every query sees the same blocks with the same
+  contents in both; within a block the causal mask (key <= query position) is applied to the fp32 scores;
+- per block, in this order: ``s = (q . k) * scale * log2(e)`` (tensor cores, fp32 accumulation), masked keys
+  -> -inf, ``m' = max(m, max(s))``, ``alpha = 2^(m - m')``, ``p = 2^(s - m')``, ``l = l * alpha + sum(p)``,
+  ``acc = acc * alpha + p_bf16 . v``; at the end ``acc / l``. A block past a row's own last key (the tile's
+  other rows need it) is all masked: alpha = 1, p = 0, and acc, l, m come out of it bit for bit unchanged, so
+  the number of blocks a program walks does not change a row;
+- rows of a tile never mix (each output row of an MMA is the dot products of its own query row), and the
+  kernel is compiled once for both callers: the same tile shapes, the same instructions. Lengths and strides
+  are not specialized on (``do_not_specialize``), so the decoder's one-query step is the same binary as the
+  trainer's call;
+- an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales and
+  dequantized to the model dtype in registers (exact): the same values the trainer's attention receives from
+  ``quant.kv_fake_quant``, into the same MMAs.
+
+No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
+512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
+forward values must match the rollout's. Runs under ``TRITON_INTERPRET=1`` on CPU (the tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit(do_not_specialize=["S", "L", "sq_s", "sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l",
+                               "ss_b", "ss_g", "so_s", "so_b", "so_h"])
+def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_ptr, S, L, qk_scale,
+                       sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, so_s, so_b, so_h,
+                       HPG: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
+    P: tl.constexpr = R // HPG  # positions per tile
+    r = tl.arange(0, R)
+    dd = tl.arange(0, BLOCK_D)
+    dm = dd < D
+    qi = t * P + r // HPG  # query index in this call
+    head = g * HPG + r % HPG
+    rm = (r < P * HPG) & (qi < S)
+    q0 = tl.load(q0_ptr)  # the first query's position (the decoder's step position; 0 in training)
+    k0 = tl.load(k0_ptr + b)  # the row's first real key
+    qpos = q0 + qi
+    q = tl.load(q_ptr + qi.to(tl.int64)[:, None] * sq_s + b * sq_b + head[:, None] * sq_h + dd[None, :],
+                mask=rm[:, None] & dm[None, :], other=0.0)
+    last = q0 + tl.minimum(t * P + P, S) - 1  # the tile's last query position
+    nblocks = tl.cdiv(tl.maximum(last - k0 + 1, 0), BLOCK_N).to(tl.int32)
+    m_i = tl.full([R], -1.0e30, tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_D], tl.float32)
+    kn = tl.arange(0, BLOCK_N)
+    k_row = k_ptr + b * sk_b + g * sk_g
+    v_row = v_ptr + b * sv_b + g * sv_g
+    s_row = b * ss_b + g * ss_g
+    for j in range(0, nblocks):
+        keys = k0 + j * BLOCK_N + kn
+        km = keys < L
+        kk = keys.to(tl.int64)
+        kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        if KV_FP8:  # e4m3 * 2^e: exact in the model's dtype, the values the trainer's attention receives
+            kt = (kt.to(tl.float32) * tl.load(ks_ptr + s_row + kk, mask=km, other=0.0)[:, None]).to(q.dtype)
+            vt = (vt.to(tl.float32) * tl.load(vs_ptr + s_row + kk, mask=km, other=0.0)[:, None]).to(q.dtype)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
+        ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
+        sc = tl.where(ok, sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # l >= 1 for a row with a key; a pad query (no key) gets 0
+    tl.store(o_ptr + qi.to(tl.int64)[:, None] * so_s + b * so_b + head[:, None] * so_h + dd[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def tile_rows(heads_per_group: int) -> int:
+    """Query rows per program: the group's heads at ``16 // hpg`` positions (at least the MMA's 16 rows)."""
+    return max(16, triton.next_power_of_2(heads_per_group))
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, k0: torch.Tensor,
+                    q0: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0 + i``) over keys
+    ``k``/``v`` given as ``[b, groups, L, d]`` views (the decoder's cache; the trainer passes its
+    ``[L, b, groups, d]`` tensors permuted, no copy), row ``r`` reading keys ``k0[r] .. q0 + i``; returns
+    ``[S, b, heads * d]`` (or writes ``out``, that shape). ``k0`` [b] and ``q0`` [1] are int64 device tensors
+    (read by the kernel: one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale``
+    ``[b, groups, L]`` (unit last stride) are read as bytes and scales. Any strides with a unit last dimension.
+    ``plan``: (BLOCK_N, warps, stages) instead of the module's (``tools/exact_bench.py``)."""
+    S, b, H, D = q.shape
+    G, L = k.shape[1], k.shape[2]
+    fp8 = k.dtype == torch.float8_e4m3fn
+    if (H % G or k.shape != v.shape or k.shape[0] != b or k.shape[3] != D
+            or min(t.stride(-1) for t in (q, k, v)) != 1 or k0.shape != (b,) or q0.numel() != 1):
+        raise ValueError(f"exact_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
+                         f"k/v {tuple(k.shape)} {tuple(k.stride())}, k0 {tuple(k0.shape)}")
+    if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride(-1) != 1
+                or v_scale.stride(-1) != 1):
+        raise ValueError("exact_attention: FP8 K/V need k_scale/v_scale [b, groups, L] with a unit last stride")
+    if out is None:
+        out = torch.empty((S, b, H * D), dtype=q.dtype, device=q.device)
+    if S == 0 or b == 0:
+        return out
+    o = out.view(S, b, H, D)
+    if not fp8:
+        k_scale = v_scale = k  # unused (KV_FP8 off)
+    hpg = H // G
+    R = tile_rows(hpg)
+    block_n, warps, stages = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES)
+    grid = (triton.cdiv(S, R // hpg), b, G)
+    _exact_attn_kernel[grid](
+        q, k, v, k_scale, v_scale, o, k0, q0, S, L, float(scale) * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        o.stride(0), o.stride(1), o.stride(2),
+        HPG=hpg, R=R, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, KV_FP8=fp8,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out
+
+
+class ExactAttention(torch.autograd.Function):
+    """The training forward's attention in exact mode: ``q [s, b, heads, d]``, ``k``/``v`` ``[s, b, groups, d]``
+    (after RoPE; FP8 KV: already rounded to the cache's values) -> ``[s, b, heads * d]`` from
+    :func:`exact_attention` (keys from position 0, causal); the backward recomputes the attention with SDPA and
+    differentiates that (the gradient of the same function; only the forward's bits must match the rollout)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        s, b = q.shape[:2]
+        zero = torch.zeros(b, dtype=torch.int64, device=q.device)
+        out = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), scale, zero, zero[:1])
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+            s, b, heads, d = q.shape
+            o = F.scaled_dot_product_attention(qd.permute(1, 2, 0, 3), kd.permute(1, 2, 0, 3), vd.permute(1, 2, 0, 3),
+                                               is_causal=True, scale=ctx.scale, enable_gqa=k.shape[2] != heads)
+            o = o.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+            dq, dk, dv = torch.autograd.grad(o, (qd, kd, vd), dout)
+        return dq, dk, dv, None

@@ -1,0 +1,146 @@
+"""CUDA only: exact on-policy mode (``precision.exact``) on the batch-invariant kernels. The decoder's step and the
+trainer's forward give a token the same logprob bits; the kernels under them give a row the same bits at any row
+count / query position."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_exact_fp8_gemm_rows_do_not_depend_on_the_row_count(N, K):
+    """The exact block-FP8 GEMM at the 8B model's weight shapes (fc2's K = 14336, where cuBLAS's rows change at
+    M <= 16): rows 0-63 are the same bytes at M = 1, 16, 64 (the decoder: one program per K segment, summed in
+    order), 256 and 4,608 (the trainer: the segments summed in the program) as at M = 8,192, and close to the
+    dequantized product."""
+    from megatron_jetrl.kernels.exact_gemm import exact_block_gemm
+    from megatron_jetrl.precision.quant import dequantize_act, quantize_act, quantize_weight
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    r = FP8Recipe()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, K, device="cuda", generator=g).bfloat16()
+    wq, ws = quantize_weight(torch.randn(N, K, device="cuda", generator=g).bfloat16() / 64, r)
+    xq, xs = quantize_act(x, r)
+    full = exact_block_gemm(xq, xs, wq, ws, torch.bfloat16)
+    for m in (1, 16, 64, 256, 4608):
+        assert torch.equal(exact_block_gemm(xq[:m], xs[:m], wq, ws, torch.bfloat16)[:64], full[:64]), m
+    xq_c, xs_c = quantize_act(x[:4608], r, scale_col_major=True)  # the training forward's scale layout
+    assert torch.equal(exact_block_gemm(xq_c, xs_c, wq, ws, torch.bfloat16), full[:4608])
+    from megatron_jetrl.precision.quant import dequantize_blocks
+
+    ref = dequantize_act(xq[:64], xs[:64], 128) @ dequantize_blocks(wq, ws, 128, 128).t()
+    assert (full[:64].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_exact_bf16_gemm_rows_do_not_depend_on_the_row_count():
+    """The exact BF16 GEMM at the LM head's shape (128,256 x 4,096) and a square BF16 linear: rows 0-63 at M = 1,
+    64 and 4,608 are the bytes of M = 8,192; close to cuBLAS."""
+    from megatron_jetrl.kernels.exact_gemm import exact_mm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8192, 4096, device="cuda", generator=g).bfloat16()
+    for n in (128256, 4096):
+        w = (torch.randn(n, 4096, device="cuda", generator=g) / 64).bfloat16()
+        full = exact_mm(x, w)
+        for m in (1, 64, 4608):
+            assert torch.equal(exact_mm(x[:m], w)[:64], full[:64]), (n, m)
+        ref = (x[:64] @ w.t()).float()
+        assert (full[:64].float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_exact_attention_decode_step_equals_the_training_forward(fp8):
+    """``kernels/exact_attn.py`` at 8B attention shapes (32 heads, 8 groups, head dim 128): a query decoded over a
+    left-padded cache (keys from the row's first token, graph-style device position) is the bytes of the same
+    query in the training call over the whole sequence, at positions around the 64-key block edges; the training
+    call is close to SDPA. FP8 K/V: the cache's bytes and scales give the bytes of the dequantized values."""
+    from megatron_jetrl.kernels.exact_attn import exact_attention
+    from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
+    from megatron_jetrl.precision.recipe import FP8Recipe
+
+    b, S, H, G, D, L = 4, 300, 32, 8, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(S, b, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(S, b, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(S, b, G, D, device="cuda", generator=g).bfloat16()
+    ks = vs = None
+    if fp8:
+        rec = FP8Recipe(kv_cache="fp8")
+        (kq, ks), (vq, vs) = quantize_kv(k.permute(1, 2, 0, 3), rec), quantize_kv(v.permute(1, 2, 0, 3), rec)
+        k = dequantize_kv(kq, ks, torch.bfloat16).permute(2, 0, 1, 3)
+        v = dequantize_kv(vq, vs, torch.bfloat16).permute(2, 0, 1, 3)
+    zero = torch.zeros(b, dtype=torch.long, device="cuda")
+    train = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1])
+    ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                         is_causal=True, scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3)
+    assert (train.view(S, b, H, D).float() - ref.float()).abs().max() < 2e-2
+    pads = torch.tensor([0, 3, 64, 130], device="cuda")
+    kc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()  # stale values around the rows
+    vc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()
+    if fp8:
+        kc, kcs = quantize_kv(kc, rec)
+        vc, vcs = quantize_kv(vc, rec)
+    for r in range(b):
+        p = int(pads[r])
+        src_k = kq[r] if fp8 else k[:, r].permute(1, 0, 2)
+        src_v = vq[r] if fp8 else v[:, r].permute(1, 0, 2)
+        kc[r, :, p:p + S], vc[r, :, p:p + S] = src_k, src_v
+        if fp8:
+            kcs[r, :, p:p + S], vcs[r, :, p:p + S] = ks[r], vs[r]
+    for i in (0, 1, 62, 63, 64, 65, 127, 128, 200, S - 1):
+        pos = (pads + i).clamp_max(L - 1)
+        for r in range(b):
+            out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1], pos[r:r + 1],
+                                  *((kcs[r:r + 1], vcs[r:r + 1]) if fp8 else ()))
+            assert torch.equal(out.view(-1), train[i, r]), (fp8, i, r)
+    # a prefill of several queries (tiles not aligned with the training call's)
+    out = exact_attention(q[5:50, 1:2], kc[1:2], vc[1:2], D ** -0.5, pads[1:2], pads[1:2] + 5,
+                          *((kcs[1:2], vcs[1:2]) if fp8 else ()))
+    assert torch.equal(out[:, 0], train[5:50, 1])
+
+
+@pytest.mark.parametrize("mode", ["jet", "bf16", "jet+fp8kv"])
+def test_exact_mode_rollout_logprobs_equal_the_trainers_on_gpu(mode, tmp_path, megatron_single):
+    """``precision.exact=true`` on the GPU (BF16 model, CUDA graphs, the batch-invariant kernels): for batches of 1,
+    64 and 256 prompts of 3-19 tokens and 80 new tokens (past the 64-key block edge), every sampled token's logprob
+    equals the trainer's forward's (micro-batches of 24) bit for bit, and again after a weight update that
+    re-quantizes the FP8 caches; the default mode differs at batch 64."""
+    from megatron_jetrl.bench.timing import mode_overrides
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+    from megatron_jetrl.trainer.actor import build_batch, train_logprobs
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("qwen3", str(tmp_path), seed=9)
+    params = SamplingParams(max_new_tokens=80, temperature=1.0)
+    worst = {}
+    for exact in (True, False):
+        _, model, state = build_loaded(str(tmp_path), [*mode_overrides(mode), f"precision.exact={str(exact).lower()}"],
+                                       backend="auto")
+        model = model.bfloat16()
+        state.bump()
+        engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=5)
+        g = torch.Generator().manual_seed(0)
+        diffs = []
+        for update in (False, True):
+            if update:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g).to(p) * 0.02 * p.float().std().clamp_min(1e-3))
+                state.bump()
+            for B in ((1, 64, 256) if exact and not update else (64,)):
+                lens = torch.randint(3, 20, (B,), generator=g)
+                prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in lens]
+                gens = engine.generate(prompts, params)
+                batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
+                                    torch.zeros(B), 0, torch.device("cuda"))
+                lp = train_logprobs(model, batch, params.temperature, 24, None, exact)
+                diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
+        if exact:
+            assert engine._decoder.exact and engine._decoder.use_graphs
+            assert diffs == [0.0] * len(diffs), (mode, diffs)
+        worst[exact] = max(diffs)
+    assert worst[False] > 0, worst

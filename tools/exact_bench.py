@@ -1,0 +1,119 @@
+"""Exact mode's kernels (``precision.exact``) beside the default ones on this GPU, at the 8B model's shapes, timed as
+CUDA-graph replays, side by side in one run: the block-FP8 GEMM (cuBLAS's ``scaled_mm`` and the small-M decode GEMM vs
+``kernels/exact_gemm.py`` in each ``--gemm-configs`` plan) at the decoder's rows and a training micro-batch's, the
+BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``)
+and a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel). A plan whose rows differ from
+the first plan's is marked (the bits of a row are a function of the plan: the decoder and the trainer must share
+one). Usage: python tools/exact_bench.py [--rows 64,4608] [--gemm-configs 128:128:8:3,...] [--json F]"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.bench.timing import time_graph_ms
+from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
+from megatron_jetrl.kernels.exact_attn import exact_attention
+from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm
+from megatron_jetrl.kernels.triton_gemm import small_m_linear
+from megatron_jetrl.precision.gemm import block_gemm
+from megatron_jetrl.precision.quant import quantize_act, quantize_weight
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "fc1": (28672, 4096), "fc2": (4096, 14336)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="64,4608")
+    ap.add_argument("--gemm-configs", default="128:128:8:3,64:128:4:4,128:128:4:4,128:256:8:3",
+                    help="exact GEMM plans BLOCK_M:BLOCK_N:warps:stages (the first is the module's default)")
+    ap.add_argument("--attn-plans", default="64:4:2,32:4:2,64:4:3,128:4:2", help="BLOCK_N:warps:stages")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    r = FP8Recipe()
+    cfgs = [tuple(map(int, c.split(":"))) for c in a.gemm_configs.split(",")]
+    rows = []
+
+    def add(kind, shape, variant, ms, flops=None, nbytes=None, same=None):
+        row = {"kind": kind, "shape": shape, "variant": variant, "us": round(ms * 1e3, 1)}
+        if flops:
+            row["tflops"] = round(flops / ms / 1e9, 1)
+        if nbytes:
+            row["tb_s"] = round(nbytes / ms / 1e9, 2)
+        if same is not None:
+            row["same_bits_as_first_plan"] = same
+        rows.append(row)
+        print(row, flush=True)
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    for M in map(int, a.rows.split(",")):
+        for name, (N, K) in SHAPES.items():
+            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
+            wq, ws = quantize_weight(torch.randn(N, K, device=dev, generator=g).bfloat16() / 64, r)
+            xq, xs = quantize_act(x, r)
+            xq_c, xs_c = quantize_act(x, r, scale_col_major=True)
+            flops, nbytes = 2 * M * N * K, N * K + M * K
+            shape = f"{name} {M}x{N}x{K}"
+            add("fp8_gemm", shape, "cublas", time_graph_ms(lambda: block_gemm(xq_c, xs_c, wq, ws, "scaled_mm")), flops, nbytes)
+            if M <= 64:
+                add("fp8_gemm", shape, "small_m", time_graph_ms(lambda: small_m_linear(x, wq, ws, r)), flops, nbytes)
+            first = None
+            for c in cfgs:
+                y = exact_block_gemm(xq, xs, wq, ws, torch.bfloat16, config=c)
+                first = y if first is None else first
+                add("fp8_gemm", shape, "exact " + ":".join(map(str, c)),
+                    time_graph_ms(lambda: exact_block_gemm(xq, xs, wq, ws, torch.bfloat16, config=c)), flops, nbytes,
+                    torch.equal(y, first))
+        N, K = 128256, 4096
+        x = torch.randn(M, K, device=dev, generator=g).bfloat16()
+        w = (torch.randn(N, K, device=dev, generator=g) / 64).bfloat16()
+        flops, nbytes, shape = 2 * M * N * K, 2 * (N * K + M * K), f"lm_head {M}x{N}x{K}"
+        add("bf16_gemm", shape, "cublas", time_graph_ms(lambda: x @ w.t()), flops, nbytes)
+        first = None
+        for c in cfgs:
+            y = exact_mm(x, w, config=c)
+            first = y if first is None else first
+            add("bf16_gemm", shape, "exact " + ":".join(map(str, c)), time_graph_ms(lambda: exact_mm(x, w, config=c)),
+                flops, nbytes, torch.equal(y, first))
+    plans = [tuple(map(int, p.split(":"))) for p in a.attn_plans.split(",")]
+    # training forward: 4 sequences x 1,024 tokens, 32 heads, 8 groups, head dim 128
+    b, S, H, G, D = 4, 1024, 32, 8, 128
+    q = torch.randn(S, b, H, D, device=dev, generator=g).bfloat16()
+    k = torch.randn(S, b, G, D, device=dev, generator=g).bfloat16()
+    v = torch.randn(S, b, G, D, device=dev, generator=g).bfloat16()
+    flops = 4 * b * H * S * S * D / 2
+    add("attn_train", f"{b}x{S}", "sdpa", time_graph_ms(lambda: F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, enable_gqa=True)), flops)
+    zero = torch.zeros(b, dtype=torch.long, device=dev)
+    for p in plans:
+        add("attn_train", f"{b}x{S}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
+            q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)), flops)
+    # decode step: 64 rows x 1,024 keys
+    B, L, n = 64, 1152, 1024
+    q = torch.randn(1, B, H, D, device=dev, generator=g).bfloat16()
+    kc = torch.randn(B, G, L, D, device=dev, generator=g).bfloat16()
+    vc = torch.randn(B, G, L, D, device=dev, generator=g).bfloat16()
+    nbytes = 2 * B * G * n * D * 2
+    ok = torch.ones(B, L, dtype=torch.bool, device=dev)
+    pos = torch.tensor([n - 1], device=dev)
+    mask = torch.zeros(B, 1, 1, n, dtype=torch.bfloat16, device=dev)
+    add("attn_decode", f"{B}x{n}", "sdpa", time_graph_ms(lambda: F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), kc[:, :, :n], vc[:, :, :n], attn_mask=mask, enable_gqa=True)), None, nbytes)
+    splits = default_splits(B, G, L, dev)
+    add("attn_decode", f"{B}x{n}", "triton", time_graph_ms(lambda: decode_attention(q[0], kc, vc, ok, pos, D ** -0.5,
+                                                                                   splits)), None, nbytes)
+    zero = torch.zeros(B, dtype=torch.long, device=dev)
+    for p in plans:
+        add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
+            q, kc, vc, D ** -0.5, zero, pos, plan=p)), None, nbytes)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
