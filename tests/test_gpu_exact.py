@@ -25,7 +25,8 @@ def test_exact_fp8_gemm_rows_do_not_depend_on_the_row_count(N, K):
     xq, xs = quantize_act(x, r)
     full = exact_block_gemm(xq, xs, wq, ws, torch.bfloat16)
     for m in (1, 16, 64, 256, 4608):
-        assert torch.equal(exact_block_gemm(xq[:m], xs[:m], wq, ws, torch.bfloat16)[:64], full[:64]), m
+        n = min(m, 64)
+        assert torch.equal(exact_block_gemm(xq[:m], xs[:m], wq, ws, torch.bfloat16)[:n], full[:n]), m
     xq_c, xs_c = quantize_act(x[:4608], r, scale_col_major=True)  # the training forward's scale layout
     assert torch.equal(exact_block_gemm(xq_c, xs_c, wq, ws, torch.bfloat16), full[:4608])
     from megatron_jetrl.precision.quant import dequantize_blocks
@@ -45,7 +46,7 @@ def test_exact_bf16_gemm_rows_do_not_depend_on_the_row_count():
         w = (torch.randn(n, 4096, device="cuda", generator=g) / 64).bfloat16()
         full = exact_mm(x, w)
         for m in (1, 64, 4608):
-            assert torch.equal(exact_mm(x[:m], w)[:64], full[:64]), (n, m)
+            assert torch.equal(exact_mm(x[:m], w)[:64], full[:min(m, 64)]), (n, m)
         ref = (x[:64] @ w.t()).float()
         assert (full[:64].float() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
@@ -53,51 +54,55 @@ def test_exact_bf16_gemm_rows_do_not_depend_on_the_row_count():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_exact_attention_decode_step_equals_the_training_forward(fp8):
     """``kernels/exact_attn.py`` at 8B attention shapes (32 heads, 8 groups, head dim 128): a query decoded over a
-    left-padded cache (keys from the row's first token, graph-style device position) is the bytes of the same
-    query in the training call over the whole sequence, at positions around the 64-key block edges; the training
-    call is close to SDPA. FP8 K/V: the cache's bytes and scales give the bytes of the dequantized values."""
-    from megatron_jetrl.kernels.exact_attn import exact_attention
+    left-padded cache (keys from the row's first token, one query per program) is the bytes of the same query in the
+    trainer's call over the whole sequence (its plan: more positions per program), at positions around the 64-key
+    block edges, and in a prefill whose tiles are not the trainer's; the trainer's call is close to SDPA. FP8 K/V:
+    both read the cache's bytes and scales, and the result is the dequantized values' to BF16 rounding."""
+    from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
     from megatron_jetrl.precision.recipe import FP8Recipe
 
     b, S, H, G, D, L = 4, 300, 32, 8, 128, 512
     g = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(S, b, H, D, device="cuda", generator=g).bfloat16()
-    k = torch.randn(S, b, G, D, device="cuda", generator=g).bfloat16()
-    v = torch.randn(S, b, G, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(b, G, S, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(b, G, S, D, device="cuda", generator=g).bfloat16()
+    zero = torch.zeros(b, dtype=torch.long, device="cuda")
+    rec = FP8Recipe(kv_cache="fp8")
     ks = vs = None
     if fp8:
-        rec = FP8Recipe(kv_cache="fp8")
-        (kq, ks), (vq, vs) = quantize_kv(k.permute(1, 2, 0, 3), rec), quantize_kv(v.permute(1, 2, 0, 3), rec)
-        k = dequantize_kv(kq, ks, torch.bfloat16).permute(2, 0, 1, 3)
-        v = dequantize_kv(vq, vs, torch.bfloat16).permute(2, 0, 1, 3)
-    zero = torch.zeros(b, dtype=torch.long, device="cuda")
-    train = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1])
-    ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                         is_causal=True, scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3)
+        (k, ks), (v, vs) = quantize_kv(k, rec), quantize_kv(v, rec)
+    train = exact_attention(q, k, v, D ** -0.5, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
+    kd, vd = (dequantize_kv(k, ks, torch.bfloat16), dequantize_kv(v, vs, torch.bfloat16)) if fp8 else (k, v)
+    ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kd, vd, is_causal=True, scale=D ** -0.5,
+                                         enable_gqa=True).permute(2, 0, 1, 3)
     assert (train.view(S, b, H, D).float() - ref.float()).abs().max() < 2e-2
+    if fp8:
+        deq = exact_attention(q, kd, vd, D ** -0.5, zero, zero[:1], plan=TRAIN_PLAN)
+        assert (deq.float() - train.float()).abs().max() <= 2 ** -7 * train.float().abs().max()
     pads = torch.tensor([0, 3, 64, 130], device="cuda")
     kc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()  # stale values around the rows
     vc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()
+    kcs = vcs = None
     if fp8:
-        kc, kcs = quantize_kv(kc, rec)
-        vc, vcs = quantize_kv(vc, rec)
+        (kc, kcs), (vc, vcs) = quantize_kv(kc, rec), quantize_kv(vc, rec)
     for r in range(b):
         p = int(pads[r])
-        src_k = kq[r] if fp8 else k[:, r].permute(1, 0, 2)
-        src_v = vq[r] if fp8 else v[:, r].permute(1, 0, 2)
-        kc[r, :, p:p + S], vc[r, :, p:p + S] = src_k, src_v
+        kc[r, :, p:p + S], vc[r, :, p:p + S] = k[r], v[r]
         if fp8:
             kcs[r, :, p:p + S], vcs[r, :, p:p + S] = ks[r], vs[r]
+
+    def sc(t, r):
+        return None if t is None else t[r:r + 1]
+
     for i in (0, 1, 62, 63, 64, 65, 127, 128, 200, S - 1):
-        pos = (pads + i).clamp_max(L - 1)
+        pos = pads + i
         for r in range(b):
-            out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1], pos[r:r + 1],
-                                  *((kcs[r:r + 1], vcs[r:r + 1]) if fp8 else ()))
+            out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1],
+                                  pos[r:r + 1], sc(kcs, r), sc(vcs, r))
             assert torch.equal(out.view(-1), train[i, r]), (fp8, i, r)
     # a prefill of several queries (tiles not aligned with the training call's)
-    out = exact_attention(q[5:50, 1:2], kc[1:2], vc[1:2], D ** -0.5, pads[1:2], pads[1:2] + 5,
-                          *((kcs[1:2], vcs[1:2]) if fp8 else ()))
+    out = exact_attention(q[5:50, 1:2], kc[1:2], vc[1:2], D ** -0.5, pads[1:2], pads[1:2] + 5, sc(kcs, 1), sc(vcs, 1))
     assert torch.equal(out[:, 0], train[5:50, 1])
 
 

@@ -2,9 +2,9 @@
 CUDA-graph replays, side by side in one run: the block-FP8 GEMM (cuBLAS's ``scaled_mm`` and the small-M decode GEMM vs
 ``kernels/exact_gemm.py`` in each ``--gemm-configs`` plan) at the decoder's rows and a training micro-batch's, the
 BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``)
-and a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel). A plan whose rows differ from
-the first plan's is marked (the bits of a row are a function of the plan: the decoder and the trainer must share
-one). Usage: python tools/exact_bench.py [--rows 64,4608] [--gemm-configs 128:128:8:3,...] [--json F]"""
+and a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel). Each exact plan says whether its
+output has the first plan's bytes (the decoder and the trainer may run different plans only where they do).
+Usage: python tools/exact_bench.py [--rows 64,4608] [--gemm-configs 64:128:4:4,...] [--json F]"""
 from __future__ import annotations
 
 import argparse
@@ -28,9 +28,10 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "fc1": (28672, 4096), "fc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="64,4608")
-    ap.add_argument("--gemm-configs", default="128:128:8:3,64:128:4:4,128:128:4:4,128:256:8:3",
-                    help="exact GEMM plans BLOCK_M:BLOCK_N:warps:stages (the first is the module's default)")
-    ap.add_argument("--attn-plans", default="64:4:2,32:4:2,64:4:3,128:4:2", help="BLOCK_N:warps:stages")
+    ap.add_argument("--gemm-configs", default="64:128:4:4,128:128:8:3,128:256:8:3,128:128:8:4,64:256:4:3",
+                    help="exact GEMM plans BLOCK_M:BLOCK_N:warps:stages")
+    ap.add_argument("--attn-plans", default="64:4:2:16,64:4:2:64,64:4:3:64,128:8:2:64,64:4:2:32,64:8:2:128",
+                    help="exact attention plans BLOCK_N:warps:stages:query rows per program (the first: the decoder's)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -89,9 +90,13 @@ def main() -> None:
     add("attn_train", f"{b}x{S}", "sdpa", time_graph_ms(lambda: F.scaled_dot_product_attention(
         q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True, enable_gqa=True)), flops)
     zero = torch.zeros(b, dtype=torch.long, device=dev)
+    first = None
     for p in plans:
+        y = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)
+        first = y if first is None else first
         add("attn_train", f"{b}x{S}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
-            q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)), flops)
+            q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)), flops, None,
+            torch.equal(y, first))
     # decode step: 64 rows x 1,024 keys
     B, L, n = 64, 1152, 1024
     q = torch.randn(1, B, H, D, device=dev, generator=g).bfloat16()
@@ -107,7 +112,7 @@ def main() -> None:
     add("attn_decode", f"{B}x{n}", "triton", time_graph_ms(lambda: decode_attention(q[0], kc, vc, ok, pos, D ** -0.5,
                                                                                    splits)), None, nbytes)
     zero = torch.zeros(B, dtype=torch.long, device=dev)
-    for p in plans:
+    for p in plans[:1] + [(bn, w, st, 16) for bn, w, st in ((64, 4, 3), (128, 4, 3), (64, 8, 2), (32, 4, 4))]:
         add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
             q, kc, vc, D ** -0.5, zero, pos, plan=p)), None, nbytes)
     if a.json:

@@ -20,10 +20,10 @@ own position, so the rollout's decoder and the trainer's forward give a query th
 - rows of a tile never mix (each output row of an MMA is the dot products of its own query row), and the
   kernel is compiled once for both callers: the same tile shapes, the same instructions. Lengths and strides
   are not specialized on (``do_not_specialize``), so the decoder's one-query step is the same binary as the
-  trainer's call;
+  trainer's call (which may own more positions per program, :data:`TRAIN_PLAN`: the rows are computed alike);
 - an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales and
-  dequantized to the model dtype in registers (exact): the same values the trainer's attention receives from
-  ``quant.kv_fake_quant``, into the same MMAs.
+  dequantized to the model dtype in registers (exact); the trainer hands the kernel the same bytes and scales
+  (``quant.quantize_kv`` of its K/V), so both run the FP8 variant of the kernel.
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
 512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
@@ -43,8 +43,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["S", "L", "sq_s", "sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l",
-                               "ss_b", "ss_g", "so_s", "so_b", "so_h"])
+@triton.jit(do_not_specialize=["S", "L"])
 def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_ptr, S, L, qk_scale,
                        sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, so_s, so_b, so_h,
                        HPG: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -104,21 +103,28 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_pt
 
 
 def tile_rows(heads_per_group: int) -> int:
-    """Query rows per program: the group's heads at ``16 // hpg`` positions (at least the MMA's 16 rows)."""
+    """Query rows per decode program: the group's heads at one position (at least the MMA's 16 rows)."""
     return max(16, triton.next_power_of_2(heads_per_group))
+
+
+# The training forward's plan (BLOCK_N, warps, stages, query rows per program): more positions per program than
+# the decoder's one (K/V tiles read once for all of them); the rows are computed alike (measured bit-equal on the
+# H200: tools/exact_bench.py, tests/test_gpu_exact.py).
+TRAIN_PLAN = (BLOCK_N, NUM_WARPS, NUM_STAGES, 16)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, k0: torch.Tensor,
                     q0: torch.Tensor, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0 + i``) over keys
     ``k``/``v`` given as ``[b, groups, L, d]`` views (the decoder's cache; the trainer passes its
     ``[L, b, groups, d]`` tensors permuted, no copy), row ``r`` reading keys ``k0[r] .. q0 + i``; returns
     ``[S, b, heads * d]`` (or writes ``out``, that shape). ``k0`` [b] and ``q0`` [1] are int64 device tensors
     (read by the kernel: one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale``
     ``[b, groups, L]`` (unit last stride) are read as bytes and scales. Any strides with a unit last dimension.
-    ``plan``: (BLOCK_N, warps, stages) instead of the module's (``tools/exact_bench.py``)."""
+    ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of the decoder's (the trainer's
+    :data:`TRAIN_PLAN`; ``tools/exact_bench.py``)."""
     S, b, H, D = q.shape
     G, L = k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -137,8 +143,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if not fp8:
         k_scale = v_scale = k  # unused (KV_FP8 off)
     hpg = H // G
-    R = tile_rows(hpg)
-    block_n, warps, stages = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES)
+    block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
+    R = max(R, tile_rows(hpg))
     grid = (triton.cdiv(S, R // hpg), b, G)
     _exact_attn_kernel[grid](
         q, k, v, k_scale, v_scale, o, k0, q0, S, L, float(scale) * math.log2(math.e),
@@ -152,17 +158,24 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 class ExactAttention(torch.autograd.Function):
     """The training forward's attention in exact mode: ``q [s, b, heads, d]``, ``k``/``v`` ``[s, b, groups, d]``
-    (after RoPE; FP8 KV: already rounded to the cache's values) -> ``[s, b, heads * d]`` from
-    :func:`exact_attention` (keys from position 0, causal); the backward recomputes the attention with SDPA and
-    differentiates that (the gradient of the same function; only the forward's bits must match the rollout)."""
+    (after RoPE) -> ``[s, b, heads * d]`` from :func:`exact_attention` (keys from position 0, causal). With the
+    FP8 KV cache (``kv_recipe``) K and V go in as the cache's E4M3 bytes and scales (``quant.quantize_kv``, the bytes
+    the decoder's cache write stores), through the same kernel binary as the decoder's. The backward recomputes the
+    attention with SDPA (over the dequantized values, straight through the rounding) and differentiates that: only
+    the forward's bits must match the rollout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
+    def forward(ctx, q, k, v, scale, kv_recipe=None):
         s, b = q.shape[:2]
         zero = torch.zeros(b, dtype=torch.int64, device=q.device)
-        out = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), scale, zero, zero[:1])
+        kb, vb, ks, vs = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), None, None
+        if kv_recipe is not None:
+            from megatron_jetrl.precision.quant import quantize_kv
+
+            (kb, ks), (vb, vs) = quantize_kv(kb, kv_recipe), quantize_kv(vb, kv_recipe)
+        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
+        ctx.scale, ctx.kv_recipe = scale, kv_recipe
         return out
 
     @staticmethod
@@ -170,9 +183,14 @@ class ExactAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+            kr, vr = kd, vd
+            if ctx.kv_recipe is not None:
+                from megatron_jetrl.precision.quant import kv_fake_quant
+
+                kr, vr = kv_fake_quant(kd, ctx.kv_recipe), kv_fake_quant(vd, ctx.kv_recipe)
             s, b, heads, d = q.shape
-            o = F.scaled_dot_product_attention(qd.permute(1, 2, 0, 3), kd.permute(1, 2, 0, 3), vd.permute(1, 2, 0, 3),
+            o = F.scaled_dot_product_attention(qd.permute(1, 2, 0, 3), kr.permute(1, 2, 0, 3), vr.permute(1, 2, 0, 3),
                                                is_causal=True, scale=ctx.scale, enable_gqa=k.shape[2] != heads)
             o = o.permute(2, 0, 1, 3).reshape(s, b, heads * d)
             dq, dk, dv = torch.autograd.grad(o, (qd, kd, vd), dout)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None

@@ -10,14 +10,18 @@ of the weight's shape alone:
   64 for BF16); inside a segment the groups are accumulated in order in fp32 (FP8: ``dot(xq, wq) * x_scale *
   w_scale`` per group, the block-scaled promotion), then the segments' sums are added in segment order:
   ``((seg_0 + seg_1) + seg_2) + ...``, and the total is rounded once to the output dtype;
-- one tile shape and one compiled kernel for every M (``BLOCK_M`` x ``BLOCK_N``, the same warps and stages;
-  M is not specialized on), so a row's dot products run on the same instructions whatever the rest of the
-  tile holds;
+- the tile plan (the rows and columns a program owns, its warps and stages) does not enter the order: a row's
+  partial products within a group are the dot products of the same tensor-core instruction family in every plan.
+  That part is a property of the hardware, measured, not constructed: on the H200 every plan of
+  ``tools/exact_bench.py`` gave the same bytes, and ``tests/test_gpu_exact.py`` compares the decoder's and the
+  trainer's row counts (which run different plans for BF16). M is not specialized on (a 1-row call is the same
+  binary);
 - few row tiles (decode) leave SMs idle: each segment then runs in its own program and writes its fp32 sum,
   and ``triton_gemm.sum_partials`` adds them in segment order; many row tiles (training) sum the segments
-  in the program. Both are the same additions in the same order: the same bits (tested).
+  in the program as the loop passes their ends. Both are the same additions in the same order: the same bits
+  (tested).
 
-``S`` is chosen for the decode grid (about one program per SM for a tile row: ``num_sms // (N / BLOCK_N)``,
+``S`` is chosen for the decode grid (about one program per SM for a tile row: ``num_sms // (N / 128)``,
 at most a segment per 4 groups), from N, K and the GPU only. Runs under ``TRITON_INTERPRET=1`` (the tests).
 """
 from __future__ import annotations
@@ -30,63 +34,68 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_jetrl.kernels.triton_gemm import _num_sms, sum_partials
 
-BLOCK_M = 128
-BLOCK_N = 128
-NUM_WARPS = 8
-NUM_STAGES = 3
+SEGMENT_TILE_N = 128  # the N tile the segment count is sized for (numerics: fixed, whatever the plan)
 BF16_GROUP = 64
 USE_TMA = True
+# Tile plans (BLOCK_M, BLOCK_N, warps, stages), the fastest measured on the H200 (tools/exact_bench.py,
+# docs/benchmarks.md): FP8 at the decoder's 64 rows and a training micro-batch's 4,608; BF16 (the LM head) by grid size.
+FP8_PLAN = (64, 128, 4, 4)
+BF16_PLAN_SMALL = (64, 128, 4, 4)
+BF16_PLAN_LARGE = (128, 256, 8, 3)
 
 
-@triton.jit(do_not_specialize=["M", "stride_am", "stride_asm", "stride_ask", "stride_ys", "stride_ym"])
+@triton.jit(do_not_specialize=["M"])
 def _exact_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, per_seg,
                        stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_ys, stride_ym,
-                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGS: tl.constexpr,
+                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_SEGS: tl.constexpr,
                        FP8: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # with one segment per program: this program's segment
+    pid_s = tl.program_id(2)  # SUM_SEGS off: this program's segment (one program per segment)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, G)
     groups = tl.cdiv(K, G)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for si in tl.static_range(SEGS):
-        seg = pid_s * SEGS + si
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(seg * per_seg, tl.minimum(seg * per_seg + per_seg, groups)):
-            k = kb * G + kk
-            if TMA:  # tensor descriptors: bulk copies, out-of-range rows/columns read as 0 (the same values)
-                a = a_ptr.load([pid_m * BLOCK_M, kb * G])
-                b = b_ptr.load([pid_n * BLOCK_N, kb * G])
-            else:
-                a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
-                            mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-                b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :],
-                            mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-            if IEEE:
-                part = tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=tl.float32)
-            else:
-                part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-            if FP8:  # the block-scaled promotion: per group, scaled in fp32
-                a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
-                b_s = tl.load(bs_ptr + (cols // G) * stride_bsn + kb, mask=cols < N, other=0.0)
-                acc += part * a_s[:, None] * b_s[None, :]
-            else:
-                acc += part
-        if si == 0:
-            total = acc
+    if SUM_SEGS:  # every segment in this program, one pipelined loop
+        kb0, kb1 = 0, groups
+    else:
+        kb0, kb1 = pid_s * per_seg, tl.minimum(pid_s * per_seg + per_seg, groups)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the current segment's sum
+    total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)  # -0 + x = x for every x: the first add is exact
+    for kb in range(kb0, kb1):
+        k = kb * G + kk
+        if TMA:  # tensor descriptors: bulk copies, out-of-range rows/columns read as 0 (the same values)
+            a = a_ptr.load([pid_m * BLOCK_M, kb * G])
+            b = b_ptr.load([pid_n * BLOCK_N, kb * G])
         else:
-            total += acc
+            a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                        other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K),
+                        other=0.0)
+        if IEEE:
+            part = tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        if FP8:  # the block-scaled promotion: per group, scaled in fp32
+            a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
+            b_s = tl.load(bs_ptr + (cols // G) * stride_bsn + kb, mask=cols < N, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
+        else:
+            acc += part
+        if SUM_SEGS:  # a segment's last group: add its sum to the total (segment order), start the next at 0
+            end = ((kb + 1) % per_seg == 0) | (kb + 1 == kb1)
+            total = tl.where(end, total + acc, total)
+            acc = tl.where(end, 0.0, acc)
+    out = total if SUM_SEGS else acc
     ym = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(y_ptr + pid_s * stride_ys + rows[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + pid_s * stride_ys + rows[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
              mask=ym)
 
 
 def segments(N: int, K: int, G: int, device: torch.device) -> int:
     """The K segments of every exact GEMM with an ``[N, K]`` weight on ``device`` (see the module docstring)."""
     groups = triton.cdiv(K, G)
-    return max(1, min(_num_sms(device) // triton.cdiv(N, BLOCK_N), groups // 4))
+    return max(1, min(_num_sms(device) // triton.cdiv(N, SEGMENT_TILE_N), groups // 4))
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -97,9 +106,12 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    block_m, block_n, warps, stages = config or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
     M, K = a.shape
     N = b.shape[0]
+    if config is None:
+        big = triton.cdiv(M, BF16_PLAN_SMALL[0]) * triton.cdiv(N, BF16_PLAN_SMALL[1]) >= 8 * _num_sms(a.device)
+        config = FP8_PLAN if fp8 else BF16_PLAN_LARGE if big else BF16_PLAN_SMALL
+    block_m, block_n, warps, stages = config
     y = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0:
         return y
@@ -119,7 +131,7 @@ def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
     _exact_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), S if split else 1)](
         at, a_s, bt, b_s, part, M, N, K, per, a.stride(0), a_s.stride(0) if fp8 else 0, a_s.stride(1) if fp8 else 0,
         b.stride(0), b_s.stride(0) if fp8 else 0, part.stride(0) if split else 0, N,
-        G=G, BLOCK_M=block_m, BLOCK_N=block_n, SEGS=1 if split else S, FP8=fp8, IEEE=a.dtype == torch.float32,
+        G=G, BLOCK_M=block_m, BLOCK_N=block_n, SUM_SEGS=not split and S > 1, FP8=fp8, IEEE=a.dtype == torch.float32,
         TMA=tma, num_warps=warps, num_stages=stages)
     if split:
         sum_partials(part, y)

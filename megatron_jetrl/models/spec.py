@@ -63,15 +63,17 @@ class SDPAttention(MegatronModule):
         sq, b, heads, dim = query.shape
         sk = key.shape[0]
         state = self.fp8_state
-        if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
-            key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
         if state is not None and state.recipe.exact and exact_kernels(query):
-            # exact mode: the kernel the rollout's decoder runs, keys from position 0 in a fixed order
+            # exact mode: the kernel the rollout's decoder runs, keys from position 0 in a fixed order (FP8 KV cache:
+            # over the cache's bytes and scales)
             if attention_mask is not None or sq != sk:
                 raise ValueError("SDPAttention: exact mode runs causal self-attention over whole sequences only")
             from megatron_jetrl.kernels.exact_attn import ExactAttention
 
-            return ExactAttention.apply(query, key, value, self.softmax_scale)
+            return ExactAttention.apply(query, key, value, self.softmax_scale,
+                                        state.recipe if state.forward_kv_fp8 else None)
+        if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
+            key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         mask, causal = None, False
         if attention_mask is not None and attention_mask.shape[-2:] == (sq, sk):

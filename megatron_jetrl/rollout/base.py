@@ -66,17 +66,22 @@ def fused_sampling(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                 seed: int | None = None, row_seeds: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor | None = None, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` [B, V]; returns (ids [B], logprobs [B]). All on the
     logits' device, no host sync. Greedy when temperature == 0. With a ``seed`` (a new one per
     step) and ``fused_sampling``, one Triton kernel draws from the same distribution (Gumbel-max on
     a Philox stream fixed by the seed) instead of ~12 eager kernels with ``multinomial``. With
     ``row_seeds`` [B] and ``positions`` [B] (the position of each row's last token), each row draws
-    with SGLang's seeded rule (``rollout/seeded.py``): its token depends on its seed and position only."""
+    with SGLang's seeded rule (``rollout/seeded.py``): its token depends on its seed and position only. ``exact``
+    (``precision.exact``): the logprob is ``log_softmax(logits.float() / T)`` at the token, the trainer's statement
+    (``trainer.actor.vocab_parallel_logp_entropy(exact=True)``), also when the fused kernel draws the token."""
     if row_seeds is None and seed is not None and fused_sampling(logits, params):
         from megatron_jetrl.kernels.sample import fused_sample
 
-        return fused_sample(logits, params.temperature, seed)
+        ids, lp = fused_sample(logits, params.temperature, seed)
+        if exact:
+            lp = torch.log_softmax(logits.float() / params.temperature, -1).gather(-1, ids[:, None]).squeeze(-1)
+        return ids, lp
     logits = logits.float()
     if params.temperature == 0:
         ids = logits.argmax(-1)

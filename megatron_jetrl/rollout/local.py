@@ -182,13 +182,13 @@ class LocalEngine:
         done = torch.zeros(B, dtype=torch.bool, device=logits.device)
         stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
         # the fused sampler's Philox stream: one seed per rollout from the engine's generator, + step
-        # (not in exact mode: its logprob is the trainer's statement, log_softmax(logits.float() / T))
+        # (exact mode: the logprob of the drawn token with the trainer's statement, log_softmax(logits.float() / T))
         exact = self.fp8_state is not None and self.fp8_state.recipe.exact
         seed = (int(torch.randint(0, 2**30, (1,), generator=self.generator, device=self.generator.device))
-                if fused_sampling(logits, params) and seeded is None and not exact else None)
+                if fused_sampling(logits, params) and seeded is None else None)
         for t in range(params.max_new_tokens):
             ids, lp = sample_next(logits, params, self.generator, None if seed is None else seed + 7919 * t,
-                                  *((seeded[0], seeded[1] + t) if seeded is not None else ()))
+                                  *((seeded[0], seeded[1] + t) if seeded is not None else ()), exact=exact)
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
             out_ids.append(ids)
             out_lp.append(lp)
