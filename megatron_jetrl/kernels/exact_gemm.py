@@ -41,7 +41,7 @@ USE_TMA = True
 # docs/benchmarks.md): FP8 at the decoder's 64 rows and a training micro-batch's 4,608; BF16 (the LM head) by grid size.
 FP8_PLAN = (64, 128, 4, 4)
 BF16_PLAN_SMALL = (64, 128, 4, 4)
-BF16_PLAN_LARGE = (128, 256, 8, 3)
+BF16_PLAN_LARGE = (128, 128, 8, 3)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -168,18 +168,34 @@ def exact_mm(x: torch.Tensor, weight: torch.Tensor, split: bool | None = None,
 
 class ExactLinearFunction(torch.autograd.Function):
     """``y = x @ W^T`` with :func:`exact_mm`'s forward (exact mode's BF16 linears and LM head); the backward is
-    the plain one (torch matmuls: only the forward's bits must match the rollout's)."""
+    the plain one (only the forward's bits must match the rollout's). ``fuse_accum``: the weight gradient is added
+    into megatron's fp32 ``main_grad`` by the GEMM (``torch.addmm`` with an fp32 output), under megatron's
+    gradient-accumulation-fusion protocol (``grad_added_to_main_grad``; a placeholder for autograd), as
+    ``models/grad_accum.py`` does for megatron's own linears."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, fuse_accum=False):
         ctx.save_for_backward(x, weight)
+        ctx.fuse_accum = fuse_accum
         lead = x.shape[:-1]
         return exact_mm(x.reshape(-1, x.shape[-1]), weight).view(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = (dy2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None
+        mg = getattr(weight, "main_grad", None)
+        if (ctx.fuse_accum and mg is not None and mg.dtype == torch.float32 and mg.shape == weight.shape
+                and hasattr(weight, "grad_added_to_main_grad")):
+            if x2.dtype == torch.float32:
+                mg.addmm_(dy2.t(), x2)
+            else:
+                torch.addmm(mg, dy2.t(), x2, out_dtype=torch.float32, out=mg)
+            weight.grad_added_to_main_grad = True
+            dw = (torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty)(
+                weight.shape, dtype=weight.dtype, device=weight.device)
+            return dx, dw, None
+        return dx, (dy2.t() @ x2).to(weight.dtype), None

@@ -135,7 +135,7 @@ def _exact_output_impl(self, input, weight, *args, **kwargs):
     from megatron_jetrl.precision.linear import exact_kernels, exact_linear
 
     if exact_kernels(input):
-        return exact_linear(input, weight, kwargs.get("bias"))
+        return exact_linear(input, weight, kwargs.get("bias"), kwargs.get("gradient_accumulation_fusion"))
     return type(self)._forward_impl(self, input, weight, *args, **kwargs)
 
 

@@ -409,12 +409,15 @@ def exact_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or triton_interpreted()
 
 
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 fuse_accum: bool = False) -> torch.Tensor:
     """A BF16 linear in exact mode (``bf16`` mode's linears, the LM head, FP8-shape fallbacks): the forward on the
-    batch-invariant GEMM (``kernels/exact_gemm.py``), a plain backward. TP = 1 (exact mode's requirement)."""
+    batch-invariant GEMM (``kernels/exact_gemm.py``), a plain backward (``fuse_accum``: the layer's megatron
+    ``gradient_accumulation_fusion``, the weight gradient added into ``main_grad``). TP = 1 (exact mode's
+    requirement)."""
     from megatron_jetrl.kernels.exact_gemm import ExactLinearFunction
 
-    y = ExactLinearFunction.apply(x, weight)
+    y = ExactLinearFunction.apply(x, weight, bool(fuse_accum))
     return y if bias is None else y + bias
 
 
@@ -509,7 +512,7 @@ class FP8LinearMixin:
 
                 input = swiglu(input)
             if self.fp8_state is not None and self.fp8_state.recipe.exact and exact_kernels(input):
-                return exact_linear(input, weight, kwargs.get("bias"))
+                return exact_linear(input, weight, kwargs.get("bias"), kwargs.get("gradient_accumulation_fusion"))
             return super()._forward_impl(input, weight, *args, **kwargs)
         return self._fp8_matmul(input, weight, kwargs.get("bias"), kwargs.get("allreduce_dgrad", False),
                                 kwargs.get("tp_group"))
