@@ -265,7 +265,8 @@ def _tiny_run(run_dir, *overrides):
 
 @pytest.mark.parametrize("mode", ["jet", "bf16", "jet+fp8kv"])
 def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron_single):
-    """``precision.exact=true`` (CPU, emulated FP8): for batches of 1 and 64 prompts of different lengths (3-19
+    """``precision.exact=true`` (the CPU emulation: each token from the trainer's forward, emulated FP8): for batches
+    of 1 and 64 prompts of different lengths (3-19
     tokens; 256 too in jet) every sampled token's logprob equals the one the trainer's forward computes for it, bit
     for bit (max abs difference exactly 0), through micro-batches of another size than the rollout's batch, and again
     after the weights change (an optimizer step's worth, the FP8 caches re-quantized); without the mode a batch of
@@ -305,11 +306,59 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
     assert worst[False] > 0, worst
 
 
+@pytest.mark.parametrize("mode", ["jet", "jet+fp8kv"])
+def test_exact_mode_static_decoder_on_the_exact_kernels_under_the_interpreter(mode, tmp_path):
+    """Exact mode's GPU design run by Triton's CPU interpreter (fp32: its BF16 is not the GPU's): the static decoder
+    with the KV cache, no fusions, prefill and decode steps on ``kernels/exact_attn.py`` (keys from each left-padded
+    row's first token), the linears' GEMMs and the LM head on ``kernels/exact_gemm.py``; the trainer's forward on the
+    same kernels (micro-batches of 3, no common padded length). Every sampled token's logprob equals the trainer's,
+    bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 12 new tokens (the FP8 KV cache too); the exact
+    kernels are the ones called. With the decode steps' key blocks of 16 instead of the trainer's 64 the logprobs differ
+    (the key order is what makes it exact)."""
+    make_hf_model("qwen3", str(tmp_path), seed=9)
+    code = r'''
+import sys, torch
+from megatron_jetrl.bench.timing import mode_overrides
+from megatron_jetrl.kernels import exact_attn
+from megatron_jetrl.rollout.base import SamplingParams
+from megatron_jetrl.rollout.local import LocalEngine
+from megatron_jetrl.trainer.actor import build_batch, train_logprobs
+from tests.workers import build_loaded
+_, model, state = build_loaded(sys.argv[1], [*mode_overrides(sys.argv[2]), "precision.exact=true"])
+calls = []
+orig = exact_attn.exact_attention
+exact_attn.exact_attention = lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k)
+engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=5)
+g = torch.Generator().manual_seed(0)
+params = SamplingParams(max_new_tokens=12, temperature=1.0)
+diffs = []
+for B in (2, 9):
+    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (B,), generator=g)]
+    gens = engine.generate(prompts, params)
+    batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens], torch.zeros(B), 0,
+                        torch.device("cpu"))
+    n_calls = len(calls)
+    lp = train_logprobs(model, batch, params.temperature, 3, None, True)
+    assert len(calls) > n_calls  # the trainer's attention ran the kernel
+    diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
+assert engine._decoder.exact and 1 in calls, calls  # decode steps (one query) on the kernel
+assert diffs == [0.0, 0.0], diffs
+# the decode steps' keys in blocks of 16, the trainer's in blocks of 64: other bits
+exact_attn.exact_attention = lambda *a, **k: orig(*a, **(dict(k, plan=(16, 4, 2, 16)) if a[0].shape[0] == 1 else k))
+gens = engine.generate(prompts, params)
+batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens], torch.zeros(B), 0,
+                    torch.device("cpu"))
+lp = train_logprobs(model, batch, params.temperature, 3, None, True)
+assert ((lp - batch.rollout_logp).abs() * batch.mask).max().item() > 0
+print("ok")
+'''
+    run_interpreted(code, str(tmp_path), mode, cwd=REPO)
+
+
 def test_exact_mode_rl_steps_have_zero_mismatch(tmp_path, megatron_single):
     """RL steps of the tiny preset with ``precision.exact=true``: ``mismatch_abs_mean`` and ``mismatch_abs_max`` are
     exactly 0 in every step (the old logprobs from the training forward itself, in training mode with autograd),
-    the micro-batches padded to ``max_position_embeddings``; a sequence longer than that is refused with one line;
-    a GPU engine is refused with one line (its kernels are not batch-invariant yet)."""
+    the micro-batches padded to ``max_position_embeddings``; a sequence longer than that is refused with one line."""
     from megatron_jetrl.errors import ConfigError
     from megatron_jetrl.models.builder import exact_length
     from megatron_jetrl.train import close, rl_step
@@ -320,9 +369,6 @@ def test_exact_mode_rl_steps_have_zero_mismatch(tmp_path, megatron_single):
         with pytest.raises(ConfigError, match=r"precision.exact: an input of 65 positions is longer than "
                                               r"model.max_position_embeddings=64"):
             exact_length(run.actor.model, 65)
-        run.engine.device = torch.device("cuda")  # what a GPU run's engine would see
-        with pytest.raises(ConfigError, match=r"precision.exact: the GPU's decode and GEMM kernels are not batch-invariant"):
-            run.engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=1.0))
     finally:
         close(run)
     assert all(r["mismatch_abs_mean"] == 0.0 and r["mismatch_abs_max"] == 0.0 for r in rows), rows

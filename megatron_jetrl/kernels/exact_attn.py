@@ -174,7 +174,9 @@ class ExactAttention(torch.autograd.Function):
             from megatron_jetrl.precision.quant import quantize_kv
 
             (kb, ks), (vb, vs) = quantize_kv(kb, kv_recipe), quantize_kv(vb, kv_recipe)
-        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
+        # (Triton's CPU interpreter runs a tile's dots on the host's BLAS, whose sums change with the tile's rows: there
+        # the decoder's plan)
+        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN if q.is_cuda else None)
         ctx.save_for_backward(q, k, v)
         ctx.scale, ctx.kv_recipe = scale, kv_recipe
         return out
