@@ -105,7 +105,7 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 
 def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
-            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+            config: tuple[int, int, int, int] | None = None, return_partials: bool = False):
     M, K = a.shape
     N = b.shape[0]
     if config is None:
@@ -114,7 +114,7 @@ def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
     block_m, block_n, warps, stages = config
     y = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0:
-        return y
+        return (y, 1) if return_partials else y
     S = segments(N, K, G, a.device)
     per = triton.cdiv(triton.cdiv(K, G), S)
     S = triton.cdiv(triton.cdiv(K, G), per)  # segments that hold a group
@@ -134,25 +134,30 @@ def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
         G=G, BLOCK_M=block_m, BLOCK_N=block_n, SUM_SEGS=not split and S > 1, FP8=fp8, IEEE=a.dtype == torch.float32,
         TMA=tma, num_warps=warps, num_stages=stages)
     if split:
+        if return_partials:
+            return part, S
         sum_partials(part, y)
-    return y
+    return (y, 1) if return_partials else y
 
 
 def exact_block_gemm(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                      out_dtype: torch.dtype, group: int = 128, split: bool | None = None,
-                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int, int] | None = None, return_partials: bool = False):
     """``(xq * xs) @ (qweight * w_scale)^T``: ``xq [M, K]`` fp8 in 1 x ``group`` groups (``xs [M, K/group]``, any
     strides), ``qweight [N, K]`` fp8 in ``group`` x ``group`` blocks (``w_scale [N/group, K/group]``) -> ``[M, N]``
     in ``out_dtype``, the same bits for a row at any M. ``split``: one program per K segment (True) or the
     segments summed in the program (False); None: by the grid's size (the same bits either way). ``config``:
-    (BLOCK_M, BLOCK_N, warps, stages) instead of the module's (``tools/exact_bench.py`` compares them)."""
+    (BLOCK_M, BLOCK_N, warps, stages) instead of the module's (``tools/exact_bench.py`` compares them).
+    ``return_partials``: returns ``(out, segments)``, ``out`` the unsummed fp32 segment sums ``[S, M, N]`` when the
+    segments ran in their own programs (``segments`` > 1: for a consumer that adds them in segment order, the
+    decoder's add + RMSNorm kernel), else ``(y, 1)``."""
     if qweight.stride(1) != 1:
         qweight = qweight.contiguous()
     if xq.stride(1) != 1:
         xq = xq.contiguous()
     if w_scale.stride(1) != 1:
         w_scale = w_scale.contiguous()
-    return _launch(xq, xs, qweight, w_scale, out_dtype, group, True, split, config)
+    return _launch(xq, xs, qweight, w_scale, out_dtype, group, True, split, config, return_partials)
 
 
 def exact_mm(x: torch.Tensor, weight: torch.Tensor, split: bool | None = None,

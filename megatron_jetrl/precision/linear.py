@@ -465,7 +465,7 @@ class FP8LinearMixin:
             inv_perm, perm = None, None
             bias = None if bias is None else bias.index_select(0, cache.perm.to(bias.device))
         exact = self.fp8_state.recipe.exact and exact_kernels(input)
-        if exact and inv_perm is not None and (self.hints.rollout_layout_output or self.hints.defer_split_sum):
+        if exact and inv_perm is not None and self.hints.rollout_layout_output:
             raise RuntimeError("exact mode: the decoder calls its linears as the trainer does (no layout hints)")
         if (not exact and not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
                 and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
@@ -492,6 +492,8 @@ class FP8LinearMixin:
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
         pre = self.hints.prequantized_input
+        if exact and not torch.is_grad_enabled():  # the decoder: the trainer's quantizers and exact GEMM, no autograd
+            return self._exact_inference(input, qweight, scale_inv, inv_perm, bias, M)
         if (pre is not None and not exact and not torch.is_grad_enabled() and not self.hints.swiglu_input
                 and pre[0].shape == (M, input.shape[-1])):
             # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
@@ -504,6 +506,37 @@ class FP8LinearMixin:
                        self.fp8_state.fuse_wgrad_accumulation, self.fp8_state.fused_dy_quant,
                        cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None, exact)
         return out if bias is None else out + bias
+
+    def _exact_inference(self, input, qweight, scale_inv, inv_perm, bias, M):
+        """Exact mode's inference forward (the static decoder): the activation bytes the training forward's quantizer
+        computes (``quantize_act`` / ``quantize_swiglu``, or the same bytes handed over by the decoder's fused add +
+        RMSNorm + quantizer: ``prequantized_input``), the exact GEMM; with ``defer_split_sum`` its K segments' fp32
+        partials go to the decoder's norm kernel, which adds them in segment order as the sum kernel would."""
+        from megatron_jetrl.kernels.exact_gemm import exact_block_gemm
+        from megatron_jetrl.precision.quant import quantize_swiglu
+
+        recipe, pre, lead = self.fp8_state.recipe, self.hints.prequantized_input, input.shape[:-1]
+        if pre is not None and not self.hints.swiglu_input and pre[0].shape == (M, input.shape[-1]):
+            xq, xs = pre
+        elif self.hints.swiglu_input:
+            xq, xs = quantize_swiglu(input.reshape(M, -1), recipe)
+        else:
+            xq, xs = quantize_act(input.reshape(M, -1), recipe)
+        defer = (self.hints.defer_split_sum and bias is None and inv_perm is None
+                 and getattr(self, "bias", None) is None)
+        y, splits = exact_block_gemm(xq, xs, qweight, scale_inv, input.dtype, recipe.group_size,
+                                     return_partials=True)
+        if splits > 1:
+            if defer:
+                self.deferred_splits = splits
+                return y
+            from megatron_jetrl.kernels.triton_gemm import sum_partials
+
+            y = sum_partials(y, torch.empty(y.shape[1:], dtype=input.dtype, device=y.device))
+        if inv_perm is not None:
+            y = y.index_select(1, inv_perm)
+        y = y.view(*lead, y.shape[-1])
+        return y if bias is None else y + bias
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self.fp8_active() or weight is not self.weight:

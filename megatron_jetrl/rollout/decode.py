@@ -27,9 +27,10 @@ its own KV cache with static shapes:
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
-Exact mode (``precision.exact``, ``exact=True``): no fusions, the linears called as the trainer's forward calls
-them, and prefill and decode steps on ``kernels/exact_attn.py`` with keys from each row's first token; with the
-batch-invariant GEMMs (``kernels/exact_gemm.py``) a row's logits are the bits of the trainer's forward.
+Exact mode (``precision.exact``, ``exact=True``): the linears called as the trainer's forward calls them (the fused
+QKV in Megatron's order; the fused norm kernel's activation bytes are the trainer's quantizer's), prefill and decode
+steps on ``kernels/exact_attn.py`` with keys from each row's first token; with the batch-invariant GEMMs
+(``kernels/exact_gemm.py``) a row's logits are the bits of the trainer's forward.
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations).
 Sampling stays outside the graph (on the GPU, no host sync; one Triton kernel for temperature
@@ -126,10 +127,11 @@ class StaticDecoder:
         self.fused_rope = self.device.type == "cuda" and not self.cfg.rotary_interleaved
         # residual add + RMSNorm (+ the next FP8 linear's activation quantization) in one kernel
         # (CUDA, the one-kernel RMSNorm of kernels/rmsnorm.py)
-        self.fuse_add_norm = self.device.type == "cuda" and not exact
-        # exact mode (precision.exact): every op as the trainer's forward runs it (the modules' own calls, no
-        # fusions), the GEMMs and the attention on the batch-invariant kernels (kernels/exact_gemm.py,
-        # kernels/exact_attn.py; CUDA, or Triton's CPU interpreter): a row's logits are the trainer's bits
+        self.fuse_add_norm = self.device.type == "cuda"
+        # exact mode (precision.exact): every op as the trainer's forward computes it (the modules' own calls; the
+        # fused add + RMSNorm + quantizer above gives the bytes of the separate ops), the GEMMs and the attention on
+        # the batch-invariant kernels (kernels/exact_gemm.py, kernels/exact_attn.py; CUDA, or Triton's CPU
+        # interpreter): a row's logits are the trainer's bits
         self.exact = exact
         if exact and not (self.device.type == "cuda" or triton_interpreted()):
             raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
