@@ -23,7 +23,7 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   trainer's call (which may own more positions per program, :data:`TRAIN_PLAN`: the rows are computed alike);
 - an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales and
   dequantized to the model dtype in registers (exact); the trainer hands the kernel the same bytes and scales
-  (``quant.quantize_kv`` of its K/V), so both run the FP8 variant of the kernel.
+  (the recipe's KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
 512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
@@ -160,25 +160,22 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 class ExactAttention(torch.autograd.Function):
     """The training forward's attention in exact mode: ``q [s, b, heads, d]``, ``k``/``v`` ``[s, b, groups, d]``
     (after RoPE) -> ``[s, b, heads * d]`` from :func:`exact_attention` (keys from position 0, causal). With the
-    FP8 KV cache (``kv_recipe``) K and V go in as the cache's E4M3 bytes and scales (``quant.quantize_kv``, the bytes
-    the decoder's cache write stores), through the same kernel binary as the decoder's. The backward recomputes the
-    attention with SDPA (over the dequantized values, straight through the rounding) and differentiates that: only
-    the forward's bits must match the rollout."""
+    FP8 KV cache, ``kv8 = (k_bytes, k_scale, v_bytes, v_scale)`` (``[b, groups, s, d]`` E4M3 and ``[b, groups, s]``,
+    the bytes the decoder's cache write stores) is what the forward reads, through the same kernel binary as the
+    decoder's, and ``k``/``v`` are their dequantized values (the caller's straight-through rounding). The backward
+    recomputes the attention of ``q, k, v`` with SDPA and differentiates that: only the forward's bits must match
+    the rollout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kv_recipe=None):
+    def forward(ctx, q, k, v, scale, kv8=None):
         s, b = q.shape[:2]
         zero = torch.zeros(b, dtype=torch.int64, device=q.device)
-        kb, vb, ks, vs = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), None, None
-        if kv_recipe is not None:
-            from megatron_jetrl.precision.quant import quantize_kv
-
-            (kb, ks), (vb, vs) = quantize_kv(kb, kv_recipe), quantize_kv(vb, kv_recipe)
+        kb, ks, vb, vs = kv8 if kv8 is not None else (k.permute(1, 2, 0, 3), None, v.permute(1, 2, 0, 3), None)
         # (Triton's CPU interpreter runs a tile's dots on the host's BLAS, whose sums change with the tile's rows: there
         # the decoder's plan)
         out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN if q.is_cuda else None)
         ctx.save_for_backward(q, k, v)
-        ctx.scale, ctx.kv_recipe = scale, kv_recipe
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -186,13 +183,8 @@ class ExactAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
-            kr, vr = kd, vd
-            if ctx.kv_recipe is not None:
-                from megatron_jetrl.precision.quant import kv_fake_quant
-
-                kr, vr = kv_fake_quant(kd, ctx.kv_recipe), kv_fake_quant(vd, ctx.kv_recipe)
             s, b, heads, d = q.shape
-            o = F.scaled_dot_product_attention(qd.permute(1, 2, 0, 3), kr.permute(1, 2, 0, 3), vr.permute(1, 2, 0, 3),
+            o = F.scaled_dot_product_attention(qd.permute(1, 2, 0, 3), kd.permute(1, 2, 0, 3), vd.permute(1, 2, 0, 3),
                                                is_causal=True, scale=ctx.scale, enable_gqa=k.shape[2] != heads)
             o = o.permute(2, 0, 1, 3).reshape(s, b, heads * d)
             dq, dk, dv = torch.autograd.grad(o, (qd, kd, vd), dout)

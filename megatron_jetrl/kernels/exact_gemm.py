@@ -32,7 +32,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_jetrl.kernels.triton_gemm import _num_sms, sum_partials
+from megatron_jetrl.kernels.triton_gemm import num_sms, sum_partials
 
 SEGMENT_TILE_N = 128  # the N tile the segment count is sized for (numerics: fixed, whatever the plan)
 BF16_GROUP = 64
@@ -95,7 +95,7 @@ def _exact_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, per_seg,
 def segments(N: int, K: int, G: int, device: torch.device) -> int:
     """The K segments of every exact GEMM with an ``[N, K]`` weight on ``device`` (see the module docstring)."""
     groups = triton.cdiv(K, G)
-    return max(1, min(_num_sms(device) // triton.cdiv(N, SEGMENT_TILE_N), groups // 4))
+    return max(1, min(num_sms(device) // triton.cdiv(N, SEGMENT_TILE_N), groups // 4))
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -109,7 +109,7 @@ def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
     M, K = a.shape
     N = b.shape[0]
     if config is None:
-        big = triton.cdiv(M, BF16_PLAN_SMALL[0]) * triton.cdiv(N, BF16_PLAN_SMALL[1]) >= 8 * _num_sms(a.device)
+        big = triton.cdiv(M, BF16_PLAN_SMALL[0]) * triton.cdiv(N, BF16_PLAN_SMALL[1]) >= 8 * num_sms(a.device)
         config = FP8_PLAN if fp8 else BF16_PLAN_LARGE if big else BF16_PLAN_SMALL
     block_m, block_n, warps, stages = config
     y = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -120,7 +120,7 @@ def _launch(a, a_s, b, b_s, out_dtype, G: int, fp8: bool, split: bool | None,
     S = triton.cdiv(triton.cdiv(K, G), per)  # segments that hold a group
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     if split is None:  # decode sizes: one program per segment, summed in order
-        split = tiles < _num_sms(a.device)
+        split = tiles < num_sms(a.device)
     split = split and S > 1
     part = torch.empty((S, M, N), dtype=torch.float32, device=a.device) if split else y
     if a_s is None:

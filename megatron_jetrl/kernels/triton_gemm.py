@@ -143,7 +143,8 @@ def _locks(device: torch.device, n: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132, an H100/H200, where there is none: the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -163,7 +164,7 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     if split_k is None:
         waves = waves or (2.0 if M <= 16 else 1.0)
-        split_k = max(1, min(int(waves * _num_sms(device)) // tiles, groups // 4))
+        split_k = max(1, min(int(waves * num_sms(device)) // tiles, groups // 4))
         if M > 64:  # partials would be a real share of the traffic
             split_k = min(split_k, 2)
     split_k = max(1, min(split_k, groups))

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_jetrl.precision.linear import FP8LinearMixin, exact_kernels
-from megatron_jetrl.precision.quant import kv_fake_quant
+from megatron_jetrl.precision.quant import kv_fake_quant, quantize_kv
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -70,8 +70,12 @@ class SDPAttention(MegatronModule):
                 raise ValueError("SDPAttention: exact mode runs causal self-attention over whole sequences only")
             from megatron_jetrl.kernels.exact_attn import ExactAttention
 
-            return ExactAttention.apply(query, key, value, self.softmax_scale,
-                                        state.recipe if state.forward_kv_fp8 else None)
+            kv8 = None
+            if state.forward_kv_fp8:  # the cache's bytes and scales for the kernel, their values for the backward
+                kv8 = (*quantize_kv(key.detach().permute(1, 2, 0, 3), state.recipe),
+                       *quantize_kv(value.detach().permute(1, 2, 0, 3), state.recipe))
+                key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
+            return ExactAttention.apply(query, key, value, self.softmax_scale, kv8)
         if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
             key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]

@@ -38,9 +38,11 @@ class FP8Recipe:
     amax_eps: float = 1e-10
     """Lower bound of a block's amax (an all-zero block gets a tiny, finite scale)."""
     exact: bool = False
-    """Exact on-policy mode (see ``PrecisionConfig.exact``): the rollout samples from the logits of the trainer's
-    own forward over the same padded shape, and both sides take log-probabilities with one function, so every
-    sampled token's logprob equals the trainer's bit for bit."""
+    """Exact on-policy mode (see ``PrecisionConfig.exact``): the rollout's logits are the bits of the trainer's forward
+    (on CUDA: batch-invariant GEMMs, ``kernels/exact_gemm.py``, and one causal attention kernel whose key order
+    depends only on a query's position, ``kernels/exact_attn.py``; on the CPU emulation: the trainer's forward itself
+    over one padded shape), and both sides take log-probabilities with one statement, so every sampled token's
+    logprob equals the trainer's bit for bit."""
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values (see ``PrecisionConfig.kv_cache``). ``fp8``: K (after RoPE) and V are quantized
     to E4M3 per token and KV head, one group of ``head_dim`` values, with a power-of-two scale (the ue8m0 rule
