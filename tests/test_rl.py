@@ -355,6 +355,18 @@ print("ok")
     run_interpreted(code, str(tmp_path), mode, cwd=REPO)
 
 
+def test_exact_mode_static_decoder_refuses_moe(tmp_path, megatron_single):
+    """The static decoder in exact mode refuses a MoE model with one line (its router's GEMM is not batch-invariant
+    on the GPU), before allocating anything."""
+    from megatron_jetrl.errors import ConfigError
+    from megatron_jetrl.rollout.decode import StaticDecoder
+
+    make_hf_model("qwen3_moe", str(tmp_path))
+    _, model, _ = build_loaded(str(tmp_path), ["precision.mode=jet", "precision.exact=true"])
+    with pytest.raises(ConfigError, match=r"^config error: precision.exact: the MoE router's GEMM is not batch-invariant"):
+        StaticDecoder(model, 2, 16, exact=True)
+
+
 def test_exact_mode_rl_steps_have_zero_mismatch(tmp_path, megatron_single):
     """RL steps of the tiny preset with ``precision.exact=true``: ``mismatch_abs_mean`` and ``mismatch_abs_max`` are
     exactly 0 in every step (the old logprobs from the training forward itself, in training mode with autograd),

@@ -401,12 +401,14 @@ class CallHints:
     order (``[q | k | v]``, what SGLang's ``qkv_proj`` computes) instead of Megatron's interleaved order."""
 
 
-def exact_kernels(x: torch.Tensor) -> bool:
-    """Whether exact mode (``precision.exact``) runs on the batch-invariant kernels for ``x``: on CUDA, and on the
-    CPU under Triton's interpreter (the tests). Otherwise the CPU emulation's own path (``rollout/local.py``)."""
+def exact_kernels(where: torch.Tensor | torch.device) -> bool:
+    """Whether exact mode (``precision.exact``) runs on the batch-invariant kernels for a tensor (or device): on CUDA,
+    and on the CPU under Triton's interpreter (the tests). Otherwise the CPU emulation's own path
+    (``rollout/local.py``)."""
     from megatron_jetrl.env import triton_interpreted
 
-    return x.is_cuda or triton_interpreted()
+    device = where if isinstance(where, torch.device) else where.device
+    return device.type == "cuda" or triton_interpreted()
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -102,7 +102,7 @@ class LocalEngine:
         if self.fp8_state is not None and self.fp8_state.recipe.exact:
             from megatron_jetrl.precision.linear import exact_kernels
 
-            if exact_kernels(torch.empty(0, device=self.device)):  # the static decoder on batch-invariant kernels
+            if exact_kernels(self.device):  # the static decoder on the batch-invariant kernels
                 return self._generate_static(prompts, params, seeds)
             return self._generate_exact(prompts, params, seeds)
         if self.decode == "static":
