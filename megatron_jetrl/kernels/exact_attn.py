@@ -6,9 +6,9 @@ round differently in SDPA, and the activation quantizer after the attention turn
 whole E4M3 steps. This kernel reduces over keys in a fixed order that depends on nothing but the query's
 own position, so the rollout's decoder and the trainer's forward give a query the same output bytes:
 
-- one program owns a tile of ``R`` query rows (``R = max(16, next_pow2(heads per group))``): ``R // hpg``
-  consecutive positions x the ``hpg`` query heads of one key/value group, so a program reads its group's K/V
-  tiles once for all of them (grouped-query attention); in the decoder's step the tile holds one position;
+- one program owns a tile of ``R`` query rows: ``R // hpg`` consecutive positions x the ``hpg`` query heads of one
+  key/value group, so a program reads its group's K/V tiles once for all of them (grouped-query attention); the
+  decoder's tile holds one position (``R = max(16, next_pow2(hpg))``), the trainer's 32 rows (:data:`TRAIN_PLAN`);
 - keys are visited in blocks of ``BLOCK_N`` starting at the row's first real key ``k0`` (the decoder's left
   pads are skipped, the trainer's sequences start at 0), so every query sees the same blocks with the same
   contents in both; within a block the causal mask (key <= query position) is applied to the fp32 scores;
@@ -17,10 +17,11 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   ``acc = acc * alpha + p_bf16 . v``; at the end ``acc / l``. A block past a row's own last key (the tile's
   other rows need it) is all masked: alpha = 1, p = 0, and acc, l, m come out of it bit for bit unchanged, so
   the number of blocks a program walks does not change a row;
-- rows of a tile never mix (each output row of an MMA is the dot products of its own query row), and the
-  kernel is compiled once for both callers: the same tile shapes, the same instructions. Lengths and strides
-  are not specialized on (``do_not_specialize``), so the decoder's one-query step is the same binary as the
-  trainer's call (which may own more positions per program, :data:`TRAIN_PLAN`: the rows are computed alike);
+- rows of a tile never mix (each output row of an MMA is the dot products of its own query row). Lengths are not
+  specialized on (``do_not_specialize``: a one-query step is not a separate binary). That the decoder's 16-row and
+  the trainer's 32-row tiles give a row the same bits is a property of the tensor-core instruction both compile to,
+  measured on the H200 (tools/exact_bench.py, tests/test_gpu_exact.py); 64 rows compile to another one (wgmma) and
+  change the bits;
 - an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales and
   dequantized to the model dtype in registers (exact); the trainer hands the kernel the same bytes and scales
   (the recipe's KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
