@@ -484,7 +484,9 @@ def test_exact_mode_kernels_under_the_interpreter():
     training call's; the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales give the bytes of the
     dequantized values. The GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at
     1-129 rows (one program per K segment) are those of the 300-row call with the segments summed in the program, and
-    the product is the reference's to fp32 rounding."""
+    the product is the reference's to fp32 rounding. Autograd: the exact linear's gradients are the plain linear's
+    (with ``fuse_accum`` the weight's lands in ``main_grad`` under megatron's protocol), the exact attention's
+    forward is the kernel's and its gradients are SDPA's."""
     code = r'''
 import torch, torch.nn.functional as F
 from megatron_jetrl.kernels.exact_attn import exact_attention
@@ -530,6 +532,29 @@ assert (y8 - dequantize_act(xq, xs, 128) @ dequantize_blocks(wq, ws, 128, 128).t
 for m in (1, 2, 64, 129):
     assert torch.equal(exact_mm(x[:m], w), y[:m]), m
     assert torch.equal(exact_block_gemm(xq[:m], xs[:m], wq, ws, torch.float32), y8[:m]), m
+# autograd: the exact linear's gradients are the plain linear's; with fuse_accum the weight's goes into main_grad
+from megatron_jetrl.kernels.exact_attn import ExactAttention
+from megatron_jetrl.kernels.exact_gemm import ExactLinearFunction
+xr, wr = x[:40].clone().requires_grad_(True), w.clone().requires_grad_(True)
+dy = torch.randn(40, N, generator=g)
+ExactLinearFunction.apply(xr, wr).backward(dy)
+assert torch.allclose(xr.grad, dy @ w, atol=1e-4) and torch.allclose(wr.grad, dy.t() @ x[:40], atol=1e-4)
+wf = w.clone().requires_grad_(True)
+wf.main_grad, wf.grad_added_to_main_grad = torch.ones(N, K), False
+ExactLinearFunction.apply(x[:40], wf, True).backward(dy)
+assert wf.grad_added_to_main_grad and torch.allclose(wf.main_grad, 1 + dy.t() @ x[:40], atol=1e-4)
+# the exact attention's forward is the kernel's, its gradients SDPA's (recomputed)
+qa, ka, va = (t[:70].clone().requires_grad_(True) for t in (q, k, v))
+out = ExactAttention.apply(qa, ka, va, D ** -0.5)
+assert torch.equal(out, exact_attention(q[:70], k[:70].permute(1, 2, 0, 3), v[:70].permute(1, 2, 0, 3), D ** -0.5, zero,
+                                        zero[:1]))
+do = torch.randn(out.shape, generator=g)
+out.backward(do)
+qb, kb, vb = (t[:70].clone().requires_grad_(True) for t in (q, k, v))
+ref = F.scaled_dot_product_attention(qb.permute(1, 2, 0, 3), kb.permute(1, 2, 0, 3), vb.permute(1, 2, 0, 3), is_causal=True,
+                                     scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3).reshape(70, b, H * D)
+ref.backward(do)
+assert all(torch.equal(a.grad, c.grad) for a, c in ((qa, qb), (ka, kb), (va, vb)))
 print("ok")
 '''
     run_interpreted(code)

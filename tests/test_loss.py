@@ -87,6 +87,35 @@ def test_vocab_parallel_logp_and_entropy_match_plain_torch(megatron_single):
     assert torch.equal(torch.autograd.grad(logp2.sum(), logits)[0], g_ref)
 
 
+def test_exact_logp_is_the_samplers_value_with_the_fused_gradient(megatron_single):
+    """Exact mode's logprob on the fused path (``vocab_parallel_logp_entropy(exact=True)``): its value is the
+    rollout sampler's statement ``log_softmax(logits.float() / T)`` at the token, bit for bit (also for a BF16
+    batch-major view and rows taken a chunk at a time), its gradient and the entropy are the fused kernel's, and
+    the fused value alone would differ in the last bits (so the value really is replaced)."""
+    from megatron_jetrl.rollout.base import SamplingParams, sample_next
+    from megatron_jetrl.trainer.actor import exact_logp, vocab_parallel_logp_entropy
+
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(6, 4, 3000, generator=g) * 4).bfloat16()
+    logits = base.transpose(0, 1).requires_grad_(True)  # [s, b, V] view of [b, s, V] memory, as the LM head returns it
+    labels = torch.randint(0, 3000, (4, 6), generator=g)
+    T = 0.7
+    logp, ent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=True, exact=True)
+    ref = torch.log_softmax(logits.detach().float() / T, -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert torch.equal(logp, ref) and torch.equal(exact_logp(logits.detach(), labels, T, rows=5), ref)
+    # the sampler's logprob of the same token from one row of logits
+    row = logits.detach()[2, 1:2]
+    tok, lp = sample_next(row, SamplingParams(temperature=T), torch.Generator().manual_seed(0), exact=True)
+    assert torch.equal(lp, exact_logp(row, tok, T))
+    fused, fent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=True)
+    assert not torch.equal(fused, ref)  # the fused kernel's own rounding
+    assert torch.equal(ent, fent)
+    w = torch.randn(labels.shape, generator=g)
+    ga = torch.autograd.grad((logp * w).sum(), logits)[0]
+    gb = torch.autograd.grad((fused * w).sum(), logits)[0]
+    assert torch.equal(ga, gb)
+
+
 def _eager_logp_entropy(logits, labels, temperature):
     """megatron-core's vocab-parallel cross entropy + the entropy (the eager path) at world size 1."""
     from megatron_jetrl.trainer.actor import vocab_parallel_logp_entropy
