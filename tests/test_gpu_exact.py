@@ -115,9 +115,8 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_on_gpu(mode, tmp_path, m
     from megatron_jetrl.bench.timing import mode_overrides
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
-    from megatron_jetrl.trainer.actor import build_batch, train_logprobs
     from tests.hf_models import make_hf_model
-    from tests.workers import build_loaded
+    from tests.workers import build_loaded, perturb_weights, random_prompts, rollout_train_gap
 
     make_hf_model("qwen3", str(tmp_path), seed=9)
     params = SamplingParams(max_new_tokens=80, temperature=1.0)
@@ -132,18 +131,9 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_on_gpu(mode, tmp_path, m
         diffs = []
         for update in (False, True):
             if update:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn(p.shape, generator=g).to(p) * 0.02 * p.float().std().clamp_min(1e-3))
-                state.bump()
+                perturb_weights(model, state, g)
             for B in ((1, 64, 256) if exact and not update else (64,)):
-                lens = torch.randint(3, 20, (B,), generator=g)
-                prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in lens]
-                gens = engine.generate(prompts, params)
-                batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
-                                    torch.zeros(B), 0, torch.device("cuda"))
-                lp = train_logprobs(model, batch, params.temperature, 24, None, exact)
-                diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
+                diffs.append(rollout_train_gap(engine, model, random_prompts(B, g), params, 24, exact))
         if exact:
             assert engine._decoder.exact and engine._decoder.use_graphs
             assert diffs == [0.0] * len(diffs), (mode, diffs)

@@ -266,14 +266,12 @@ def _tiny_run(run_dir, *overrides):
 @pytest.mark.parametrize("mode", ["jet", "bf16", "jet+fp8kv"])
 def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron_single):
     """``precision.exact=true`` (the CPU emulation: each token from the trainer's forward, emulated FP8): for batches
-    of 1 and 64 prompts of different lengths (3-19
-    tokens; 256 too in jet) every sampled token's logprob equals the one the trainer's forward computes for it, bit
-    for bit (max abs difference exactly 0), through micro-batches of another size than the rollout's batch, and again
-    after the weights change (an optimizer step's worth, the FP8 caches re-quantized); without the mode a batch of
-    64 differs from the trainer in the last bits."""
+    of 1 and 64 prompts of different lengths (3-19 tokens; 256 too in jet) every sampled token's logprob equals the
+    one the trainer's forward computes for it, bit for bit (max abs difference exactly 0), through micro-batches of
+    another size than the rollout's batch, and again after the weights change (an optimizer step's worth, the FP8
+    caches re-quantized); without the mode a batch of 64 differs from the trainer in the last bits."""
     from megatron_jetrl.bench.timing import mode_overrides
-    from megatron_jetrl.models.builder import exact_length
-    from megatron_jetrl.trainer.actor import build_batch, train_logprobs
+    from tests.workers import perturb_weights, random_prompts, rollout_train_gap
 
     make_hf_model("qwen3", str(tmp_path), seed=9)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -286,20 +284,11 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
         diffs = []
         for update in (False, True):
             if update:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std().clamp_min(1e-3))
-                state.bump()
+                perturb_weights(model, state, g)
             sizes = ((1, 64, 256) if mode == "jet" else (1, 64)) if exact else (64,)
             for B in (sizes if not update else (64,)):
-                lens = torch.randint(3, 20, (B,), generator=g)
-                prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in lens]
-                gens = engine.generate(prompts, params)
-                batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
-                                    torch.zeros(B), 0, torch.device("cpu"))
-                seq_len = exact_length(model, batch.tokens.shape[1] - 1) if exact else None
-                lp = train_logprobs(model, batch, params.temperature, 24, seq_len, exact)
-                diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
+                diffs.append(rollout_train_gap(engine, model, random_prompts(B, g), params, 24, exact,
+                                               pad_to_exact=exact))
         worst[exact] = max(diffs)
         if exact:
             assert diffs == [0.0] * len(diffs), diffs
@@ -323,7 +312,7 @@ from megatron_jetrl.kernels import exact_attn
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
 from megatron_jetrl.trainer.actor import build_batch, train_logprobs
-from tests.workers import build_loaded
+from tests.workers import build_loaded, random_prompts, rollout_train_gap
 _, model, state = build_loaded(sys.argv[1], [*mode_overrides(sys.argv[2]), "precision.exact=true"])
 calls = []
 orig = exact_attn.exact_attention
@@ -333,7 +322,7 @@ g = torch.Generator().manual_seed(0)
 params = SamplingParams(max_new_tokens=12, temperature=1.0)
 diffs = []
 for B in (2, 9):
-    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (B,), generator=g)]
+    prompts = random_prompts(B, g)
     gens = engine.generate(prompts, params)
     batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens], torch.zeros(B), 0,
                         torch.device("cpu"))
@@ -345,11 +334,7 @@ assert engine._decoder.exact and 1 in calls, calls  # decode steps (one query) o
 assert diffs == [0.0, 0.0], diffs
 # the decode steps' keys in blocks of 16, the trainer's in blocks of 64: other bits
 exact_attn.exact_attention = lambda *a, **k: orig(*a, **(dict(k, plan=(16, 4, 2, 16)) if a[0].shape[0] == 1 else k))
-gens = engine.generate(prompts, params)
-batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens], torch.zeros(B), 0,
-                    torch.device("cpu"))
-lp = train_logprobs(model, batch, params.temperature, 3, None, True)
-assert ((lp - batch.rollout_logp).abs() * batch.mask).max().item() > 0
+assert rollout_train_gap(engine, model, prompts, params, 3, True) > 0
 print("ok")
 '''
     run_interpreted(code, str(tmp_path), mode, cwd=REPO)

@@ -20,6 +20,35 @@ def build_loaded(hf_dir: str, overrides: list[str], backend: str = "emulated"):
     return cfg, model, state
 
 
+def random_prompts(B: int, g: torch.Generator, vocab: int = 384) -> list[list[int]]:
+    """``B`` prompts of 3-19 token ids in ``[3, vocab)``: lengths drawn first, then each prompt, from ``g``."""
+    return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (B,), generator=g)]
+
+
+def perturb_weights(model, state, g: torch.Generator) -> None:
+    """An optimizer step's worth of change to every parameter (2% of its spread), the FP8 caches invalidated."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p) * 0.02 * p.float().std().clamp_min(1e-3))
+    state.bump()
+
+
+def rollout_train_gap(engine, model, prompts, params, micro_batch: int, exact: bool, pad_to_exact: bool = False
+                      ) -> float:
+    """Max over the sampled tokens of ``|logp_train - logp_rollout|``: ``engine`` generates for ``prompts``, the
+    trainer's forward recomputes the tokens' logprobs in micro-batches of ``micro_batch`` (``exact``: with exact mode's
+    logprob statement; ``pad_to_exact``: padded to ``models.builder.exact_length``, the CPU emulation's length)."""
+    from megatron_jetrl.models.builder import exact_length
+    from megatron_jetrl.trainer.actor import build_batch, train_logprobs
+
+    gens = engine.generate(prompts, params)
+    batch = build_batch(prompts, [x.output_ids for x in gens], [x.output_logprobs for x in gens],
+                        torch.zeros(len(prompts)), 0, engine.device)
+    seq_len = exact_length(model, batch.tokens.shape[1] - 1) if pad_to_exact else None
+    lp = train_logprobs(model, batch, params.temperature, micro_batch, seq_len, exact)
+    return ((lp - batch.rollout_logp).abs() * batch.mask).max().item()
+
+
 def mean_nll(model, tokens: torch.Tensor, forward_only: bool = True):
     """Mean next-token NLL through the pipeline schedule; None on non-last stages."""
     from megatron.core import parallel_state
