@@ -254,10 +254,11 @@ class PrecisionConfig:
     """Exact on-policy mode (``bf16`` or ``jet``, with ``kv_cache`` either way): every sampled token's logprob equals,
     bit for bit, the one the trainer's forward computes for it (``mismatch_abs_mean`` exactly 0). On a GPU the
     in-process rollout's static decoder and the trainer's forward run batch-invariant GEMMs and one causal attention
-    kernel (a row's result does not depend on the rows, positions or sequences beside it), and both take
-    ``log_softmax(logits.float() / temperature)``; the H200's 8B RL step costs 1.117x bf16's instead of the default
-    jet's 1.249x. On the CPU each token is decoded with the trainer's own forward over the batch padded to
-    ``model.max_position_embeddings`` positions (no KV cache: slow by design). Needs ``rollout.engine=local`` and
+    kernel (a row's result does not depend on the rows, positions or sequences beside it), and both take the
+    logprob with the fused logprob kernel (``log_softmax(logits.float() / temperature)`` on the CPU); the H200's 8B
+    RL step costs 1.117x bf16's instead of the default jet's 1.249x (docs/benchmarks.md). On the CPU each token is
+    decoded with the trainer's own forward over the batch padded to ``model.max_position_embeddings`` positions (no
+    KV cache: slow by design). Needs ``rollout.engine=local`` and
     ``parallel.tensor_parallel=1`` (docs/rollout.md, "Exact on-policy mode")."""
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values. ``fp8``: the in-process rollout (``rollout.engine=local`` or ``serve``) keeps an

@@ -87,33 +87,38 @@ def test_vocab_parallel_logp_and_entropy_match_plain_torch(megatron_single):
     assert torch.equal(torch.autograd.grad(logp2.sum(), logits)[0], g_ref)
 
 
-def test_exact_logp_is_the_samplers_value_with_the_fused_gradient(megatron_single):
-    """Exact mode's logprob on the fused path (``vocab_parallel_logp_entropy(exact=True)``): its value is the
-    rollout sampler's statement ``log_softmax(logits.float() / T)`` at the token, bit for bit (also for a BF16
-    batch-major view and rows taken a chunk at a time), its gradient and the entropy are the fused kernel's, and
-    the fused value alone would differ in the last bits (so the value really is replaced)."""
+def test_exact_logp_is_the_samplers_bits(megatron_single):
+    """Exact mode's logprob: the trainer's (``vocab_parallel_logp_entropy(exact=True)`` over a [s, b, V] view of
+    [b, s, V] memory, as the LM head returns it) and the rollout sampler's (``sample_next(exact=True)`` ->
+    ``fused_logp.label_logp`` on one row) are the same bits, on the eager path (``log_softmax(logits.float() / T)``,
+    megatron's cross entropy would differ) and on the fused one (its value and gradient, its entropy)."""
+    from megatron_jetrl.kernels.fused_logp import label_logp
     from megatron_jetrl.rollout.base import SamplingParams, sample_next
-    from megatron_jetrl.trainer.actor import exact_logp, vocab_parallel_logp_entropy
+    from megatron_jetrl.trainer.actor import vocab_parallel_logp_entropy
 
     g = torch.Generator().manual_seed(3)
     base = (torch.randn(6, 4, 3000, generator=g) * 4).bfloat16()
-    logits = base.transpose(0, 1).requires_grad_(True)  # [s, b, V] view of [b, s, V] memory, as the LM head returns it
+    logits = base.transpose(0, 1).requires_grad_(True)
     labels = torch.randint(0, 3000, (4, 6), generator=g)
     T = 0.7
-    logp, ent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=True, exact=True)
-    ref = torch.log_softmax(logits.detach().float() / T, -1).gather(-1, labels[..., None]).squeeze(-1)
-    assert torch.equal(logp, ref) and torch.equal(exact_logp(logits.detach(), labels, T, rows=5), ref)
-    # the sampler's logprob of the same token from one row of logits
+    statement = torch.log_softmax(logits.detach().float() / T, -1).gather(-1, labels[..., None]).squeeze(-1)
+    for fused in (False, True):
+        logp, ent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=fused, exact=True)
+        for s, b in ((0, 0), (2, 1), (3, 5), (1, 4)):
+            assert torch.equal(label_logp(logits.detach()[s, b:b + 1], labels[s, b:b + 1], T, fused=fused), logp[s, b:b + 1])
+        if fused:
+            ref, ref_ent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=True)
+            assert torch.equal(logp, ref) and torch.equal(ent, ref_ent)
+            w = torch.randn(labels.shape, generator=g)
+            assert torch.equal(torch.autograd.grad((logp * w).sum(), logits)[0],
+                               torch.autograd.grad((ref * w).sum(), logits)[0])
+        else:
+            assert torch.equal(logp, statement)
+            assert not torch.equal(vocab_parallel_logp_entropy(logits.contiguous(), labels, T, False, fused=False)[0], statement)
+    # the sampler's logprob of the token it drew (eager draw here; label_logp's own decision of the path)
     row = logits.detach()[2, 1:2]
     tok, lp = sample_next(row, SamplingParams(temperature=T), torch.Generator().manual_seed(0), exact=True)
-    assert torch.equal(lp, exact_logp(row, tok, T))
-    fused, fent = vocab_parallel_logp_entropy(logits, labels, T, True, fused=True)
-    assert not torch.equal(fused, ref)  # the fused kernel's own rounding
-    assert torch.equal(ent, fent)
-    w = torch.randn(labels.shape, generator=g)
-    ga = torch.autograd.grad((logp * w).sum(), logits)[0]
-    gb = torch.autograd.grad((fused * w).sum(), logits)[0]
-    assert torch.equal(ga, gb)
+    assert torch.equal(lp, label_logp(row, tok, T)) and torch.equal(lp, label_logp(row, tok, T, fused=False))
 
 
 def _eager_logp_entropy(logits, labels, temperature):

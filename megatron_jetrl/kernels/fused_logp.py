@@ -146,6 +146,13 @@ def _logits_grad(x, labels, lse, ez, g_logp, g_ent, temperature, vocab_start) ->
     return (g / temperature).to(x.dtype)
 
 
+def _combine(m, s, sz, zl) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole vocabulary's statistics [T] -> (logp, lse, E[z]) [T]: ``lse = m + log s``, ``logp = z_label - lse``,
+    ``E[z] = sz / s`` (elementwise fp32, so a row's values depend on that row's statistics only)."""
+    lse = m + torch.log(s)
+    return zl - lse, lse, sz / s
+
+
 class _FusedLogpEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, labels, temperature, vocab_start, group, world):
@@ -160,11 +167,10 @@ class _FusedLogpEntropy(torch.autograd.Function):
             s, sz, zl = sums
         else:
             m, s, sz, zl = st
-        lse = m + torch.log(s)
-        ez = sz / s
+        logp, lse, ez = _combine(m, s, sz, zl)
         ctx.save_for_backward(x, labels, lse, ez)
         ctx.temperature, ctx.vocab_start = temperature, vocab_start
-        return zl - lse, lse - ez
+        return logp, lse - ez
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
@@ -188,6 +194,23 @@ def fused_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: 
     lab = labels.reshape(-1).to(torch.int64).contiguous()
     logp, ent = _FusedLogpEntropy.apply(x, lab, float(temperature), rank * V, group, world)
     return logp.view(lead), ent.view(lead)
+
+
+def label_logp(logits: torch.Tensor, labels: torch.Tensor, temperature: float, fused: bool | None = None
+               ) -> torch.Tensor:
+    """Exact mode's logprob (``precision.exact``, one rank holds the vocabulary): ``logits [B, V]``, ``labels [B]``
+    -> log p(label) under softmax(logits / T) [B] float32, without autograd. The trainer's logprob for the same
+    logits row has the same bits: where the fused kernel runs (``fused``; None: ``fused_enabled``) this is its value
+    (one program per row, a fixed block order: a row's statistics do not depend on the rows beside it, so B sampled
+    rows and the trainer's micro-batch of thousands give the same bits), elsewhere the eager statement
+    ``log_softmax(logits.float() / T)`` at the label, which ``trainer.actor.vocab_parallel_logp_entropy`` takes
+    off the fused path."""
+    use_fused = fused_enabled(logits) if fused is None else fused
+    with torch.no_grad():
+        if not use_fused:
+            return torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels[:, None]).squeeze(-1)
+        x = logits if logits.stride(-1) == 1 else logits.contiguous()
+        return _combine(*_local_stats(x, labels.to(torch.int64).contiguous(), float(temperature), 0))[0]
 
 
 def fused_enabled(logits: torch.Tensor) -> bool:

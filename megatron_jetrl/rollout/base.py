@@ -73,15 +73,26 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     a Philox stream fixed by the seed) instead of ~12 eager kernels with ``multinomial``. With
     ``row_seeds`` [B] and ``positions`` [B] (the position of each row's last token), each row draws
     with SGLang's seeded rule (``rollout/seeded.py``): its token depends on its seed and position only. ``exact``
-    (``precision.exact``): the logprob is ``log_softmax(logits.float() / T)`` at the token, the trainer's statement
-    (``trainer.actor.vocab_parallel_logp_entropy(exact=True)``), also when the fused kernel draws the token."""
+    (``precision.exact``, temperature > 0): the token's logprob is ``kernels.fused_logp.label_logp``, the bits the
+    trainer's logprob has for the same logits row, whichever way the token was drawn."""
     if row_seeds is None and seed is not None and fused_sampling(logits, params):
         from megatron_jetrl.kernels.sample import fused_sample
 
         ids, lp = fused_sample(logits, params.temperature, seed)
-        if exact:
-            lp = torch.log_softmax(logits.float() / params.temperature, -1).gather(-1, ids[:, None]).squeeze(-1)
-        return ids, lp
+        return ids, _exact_logp(logits, ids, params) if exact else lp
+    ids, lp = _sample_eager(logits, params, generator, row_seeds, positions)
+    return ids, _exact_logp(logits, ids, params) if exact and params.temperature > 0 else lp
+
+
+def _exact_logp(logits: torch.Tensor, ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from megatron_jetrl.kernels.fused_logp import label_logp
+
+    return label_logp(logits, ids, params.temperature)
+
+
+def _sample_eager(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  row_seeds: torch.Tensor | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_next``'s eager path: greedy, top-k / top-p, SGLang's seeded draw or ``multinomial``."""
     logits = logits.float()
     if params.temperature == 0:
         ids = logits.argmax(-1)

@@ -182,7 +182,7 @@ class LocalEngine:
         done = torch.zeros(B, dtype=torch.bool, device=logits.device)
         stops = torch.tensor(list(params.stop_token_ids) or [-1], device=logits.device)
         # the fused sampler's Philox stream: one seed per rollout from the engine's generator, + step
-        # (exact mode: the logprob of the drawn token with the trainer's statement, log_softmax(logits.float() / T))
+        # (exact mode: the drawn token's logprob with the trainer's code, fused_logp.label_logp)
         exact = self.fp8_state is not None and self.fp8_state.recipe.exact
         seed = (int(torch.randint(0, 2**30, (1,), generator=self.generator, device=self.generator.device))
                 if fused_sampling(logits, params) and seeded is None else None)

@@ -72,9 +72,8 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     at a 128K vocabulary). On CUDA both come from ``fused_logp.fused_logp_entropy`` (one Triton kernel
     over the bf16 logits each way, no fp32 copy); this eager path is the CPU one and the reference
     (``fused=False``; None: the fused kernels wherever they run). ``exact`` (``precision.exact``, one rank holds
-    the vocabulary): the logprob's value is ``log_softmax(logits.float() / T)`` at the labels, the rollout sampler's
-    own statement (``rollout.base.sample_next``; :func:`exact_logp`), so the two logprobs are the same bits for the
-    same logits row; on CUDA its gradient and the entropy are the fused kernel's."""
+    the vocabulary): the logprob is the rollout sampler's (``fused_logp.label_logp``) bit for bit for the same logits
+    row: the fused kernel's value where it runs, ``log_softmax(logits.float() / T)`` at the labels elsewhere."""
     from megatron.core import tensor_parallel
 
     from megatron_jetrl.kernels.fused_logp import fused_enabled, fused_logp_entropy
@@ -89,8 +88,6 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     # CUDA: one kernel forward, one backward, no fp32 logits (kernels/fused_logp.py)
     if use_fused:
         logp, entropy = fused_logp_entropy(logits, labels, temperature)
-        if exact:  # the value of the sampler's statement, the gradient of the fused kernel (the same function)
-            logp = _ValueOf.apply(logp, exact_logp(logits, labels, temperature))
         if not with_entropy:
             return logp, None
         return logp, entropy if entropy_grad else entropy.detach()
@@ -106,33 +103,6 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, temp
     if need_z:
         entropy = _entropy(z)
     return logp, entropy
-
-
-def exact_logp(logits: torch.Tensor, labels: torch.Tensor, temperature: float, rows: int = 2048) -> torch.Tensor:
-    """``log_softmax(logits.float() / T)`` at ``labels``, the rollout sampler's statement (``rollout.base.sample_next``)
-    and so its bits (torch's softmax gives a row the same bits in any row count), without autograd, ``rows`` rows at
-    a time (the fp32 copy of a chunk only)."""
-    V = logits.shape[-1]
-    x, lab = logits.reshape(-1, V), labels.reshape(-1)
-    out = torch.empty(lab.shape, dtype=torch.float32, device=logits.device)
-    with torch.no_grad():
-        for r in range(0, x.shape[0], rows):
-            z = x[r:r + rows].float() / temperature
-            out[r:r + rows] = torch.log_softmax(z, -1).gather(-1, lab[r:r + rows, None]).squeeze(-1)
-    return out.view(labels.shape)
-
-
-class _ValueOf(torch.autograd.Function):
-    """``value``'s numbers with ``carrier``'s gradient (identity): exact mode's logprob is the sampler's statement's
-    value, differentiated through the fused kernel that computes the same function."""
-
-    @staticmethod
-    def forward(ctx, carrier, value):
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 def _entropy(z: torch.Tensor) -> torch.Tensor:
@@ -177,7 +147,7 @@ def _microbatch(b: RLBatch, seq_len: Optional[int] = None, exact: bool = False) 
     """The model inputs of a micro-batch (positions 0..S-2), right-padded to ``seq_len`` positions; ``targets``
     are the labels (positions 1..S-1) padded alike. Pad positions come after every real one, so under the
     causal mask they change nothing before them; :func:`_logp` cuts them off the logprobs. ``exact``: the
-    logprobs are taken with the rollout sampler's statement (``precision.exact``)."""
+    logprobs are the rollout sampler's bits (``precision.exact``; ``vocab_parallel_logp_entropy``)."""
     inputs, targets = b.tokens[:, :-1], b.tokens[:, 1:]
     if seq_len is not None and seq_len > inputs.shape[1]:
         pad = (0, seq_len - inputs.shape[1])
