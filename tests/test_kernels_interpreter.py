@@ -483,10 +483,11 @@ def test_exact_mode_kernels_under_the_interpreter():
     over the whole sequence, at and around the 64-key block edges, and in a prefill whose tiles are not the
     training call's; the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales give the bytes of the
     dequantized values. The GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at
-    1-129 rows (one program per K segment) are those of the 300-row call with the segments summed in the program, and
-    the product is the reference's to fp32 rounding. Autograd: the exact linear's gradients are the plain linear's
-    (with ``fuse_accum`` the weight's lands in ``main_grad`` under megatron's protocol), the exact attention's
-    forward is the kernel's and its gradients are SDPA's."""
+    1-129 rows (one program per K segment) are those of the 300-row call with the segments summed in the program
+    (also in a plan whose column tiles span several weight blocks), and the product is the reference's to fp32
+    rounding. Autograd: the exact linear's gradients are the plain linear's (with ``fuse_accum`` the weight's lands in
+    ``main_grad`` under megatron's protocol), the exact attention's forward is the kernel's and its gradients are
+    SDPA's."""
     code = r'''
 import torch, torch.nn.functional as F
 from megatron_jetrl.kernels.exact_attn import exact_attention
@@ -528,6 +529,7 @@ r8 = FP8Recipe()
 (xq, xs), (xq_c, xs_c), (wq, ws) = quantize_act(x, r8), quantize_act(x, r8, scale_col_major=True), quantize_weight(w, r8)
 y8 = exact_block_gemm(xq, xs, wq, ws, torch.float32, split=False)
 assert torch.equal(exact_block_gemm(xq_c, xs_c, wq, ws, torch.float32), y8)
+assert torch.equal(exact_block_gemm(xq, xs, wq, ws, torch.float32, split=False, config=(32, 256, 4, 2)), y8)  # 3 blocks/tile
 assert (y8 - dequantize_act(xq, xs, 128) @ dequantize_blocks(wq, ws, 128, 128).t()).abs().max() < 1e-3
 for m in (1, 2, 64, 129):
     assert torch.equal(exact_mm(x[:m], w), y[:m]), m

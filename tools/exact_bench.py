@@ -28,7 +28,7 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "fc1": (28672, 4096), "fc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="64,4608")
-    ap.add_argument("--gemm-configs", default="64:128:4:4,128:128:8:3,128:256:8:3,128:128:8:4,64:256:4:3",
+    ap.add_argument("--gemm-configs", default="64:128:4:4,64:128:4:3,128:128:8:3,128:256:8:3,128:128:8:4,64:256:4:3",
                     help="exact GEMM plans BLOCK_M:BLOCK_N:warps:stages")
     ap.add_argument("--attn-plans", default="64:4:2:16,64:4:2:64,64:4:3:64,128:8:2:64,64:4:2:32,64:8:2:128",
                     help="exact attention plans BLOCK_N:warps:stages:query rows per program (the first: the decoder's)")

@@ -7,19 +7,22 @@ M <= 16, BF16 at M <= 16, the small-M kernel at every M; ``H200_FP8_FACTS.md``).
 of the weight's shape alone:
 
 - K is cut into ``S = segments(N, K)`` contiguous segments of whole ``G``-wide groups (the FP8 block, 128;
-  64 for BF16); inside a segment the groups are accumulated in order in fp32 (FP8: ``dot(xq, wq) * x_scale *
-  w_scale`` per group, the block-scaled promotion), then the segments' sums are added in segment order:
+  64 for BF16); inside a segment the groups are accumulated in order in fp32 (FP8: ``acc = fma(dot(xq, wq),
+  x_scale * w_scale, acc)`` per group, the block-scaled promotion: one rounding of the scale product, one of the
+  fused multiply-add; BF16: one chain of tensor-core MMAs over the segment's groups into one fp32 accumulator),
+  then the segments' sums are added in segment order:
   ``((seg_0 + seg_1) + seg_2) + ...``, and the total is rounded once to the output dtype;
 - the tile plan (the rows and columns a program owns, its warps and stages) does not enter the order: a row's
-  partial products within a group are the dot products of the same tensor-core instruction family in every plan.
+  products within a group (BF16: a segment) are a chain of the same tensor-core instructions in every plan.
   That part is a property of the hardware, measured, not constructed: on the H200 every plan of
   ``tools/exact_bench.py`` gave the same bytes, and ``tests/test_gpu_exact.py`` compares the decoder's and the
   trainer's row counts (which run different plans for BF16). M is not specialized on (a 1-row call is the same
   binary);
 - few row tiles (decode) leave SMs idle: each segment then runs in its own program and writes its fp32 sum,
-  and ``triton_gemm.sum_partials`` adds them in segment order; many row tiles (training) sum the segments
-  in the program as the loop passes their ends. Both are the same additions in the same order: the same bits
-  (tested).
+  and ``triton_gemm.sum_partials`` adds them in segment order; many row tiles (training) run the segments one
+  after another in the program (each a decode program's loop) and add each sum to the total as it ends. Both are
+  the same additions in the same order: the same bits (tested). The inner loop over a segment's groups is the
+  software-pipelined one (TMA loads stages ahead; BF16: asynchronous MMAs), with nothing but the promotion in it.
 
 ``S`` is chosen for the decode grid (about one program per SM for a tile row: ``num_sms // (N / 128)``,
 at most a segment per 4 groups), from N, K and the GPU only. Runs under ``TRITON_INTERPRET=1`` (the tests).
@@ -56,39 +59,39 @@ def _exact_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, per_seg,
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, G)
     groups = tl.cdiv(K, G)
-    if SUM_SEGS:  # every segment in this program, one pipelined loop
-        kb0, kb1 = 0, groups
-    else:
-        kb0, kb1 = pid_s * per_seg, tl.minimum(pid_s * per_seg + per_seg, groups)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the current segment's sum
+    if SUM_SEGS:  # every segment, one after another in this program
+        s0, s1 = 0, tl.cdiv(groups, per_seg)
+    else:  # this program's segment (the decoder's grid: one program per segment)
+        s0, s1 = pid_s, pid_s + 1
     total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)  # -0 + x = x for every x: the first add is exact
-    for kb in range(kb0, kb1):
-        k = kb * G + kk
-        if TMA:  # tensor descriptors: bulk copies, out-of-range rows/columns read as 0 (the same values)
-            a = a_ptr.load([pid_m * BLOCK_M, kb * G])
-            b = b_ptr.load([pid_n * BLOCK_N, kb * G])
-        else:
-            a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                        other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K),
-                        other=0.0)
-        if IEEE:
-            part = tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-        if FP8:  # the block-scaled promotion: per group, scaled in fp32
-            a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
-            b_s = tl.load(bs_ptr + (cols // G) * stride_bsn + kb, mask=cols < N, other=0.0)
-            acc += part * a_s[:, None] * b_s[None, :]
-        else:
-            acc += part
-        if SUM_SEGS:  # a segment's last group: add its sum to the total (segment order), start the next at 0
-            end = ((kb + 1) % per_seg == 0) | (kb + 1 == kb1)
-            total = tl.where(end, total + acc, total)
-            acc = tl.where(end, 0.0, acc)
-    out = total if SUM_SEGS else acc
+    for seg in range(s0, s1):  # the segments in order; the inner loop is the pipelined one
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # this segment's sum
+        for kb in range(seg * per_seg, tl.minimum(seg * per_seg + per_seg, groups)):
+            k = kb * G + kk
+            if TMA:  # tensor descriptors: bulk copies, out-of-range rows/columns read as 0 (the same values)
+                a = a_ptr.load([pid_m * BLOCK_M, kb * G])
+                b = b_ptr.load([pid_n * BLOCK_N, kb * G])
+            else:
+                a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
+                            mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+                b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :],
+                            mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+            if FP8:  # the block-scaled promotion per group in fp32: acc = fma(dot, x_scale * w_scale, acc)
+                part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+                a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=rows < M, other=0.0)
+                if G % BLOCK_N == 0:  # the tile's columns lie in one weight block: one scale
+                    b_s = tl.load(bs_ptr + (pid_n * BLOCK_N // G) * stride_bsn + kb)
+                    acc = tl.fma(part, (a_s * b_s)[:, None], acc)
+                else:
+                    b_s = tl.load(bs_ptr + (cols // G) * stride_bsn + kb, mask=cols < N, other=0.0)
+                    acc = tl.fma(part, a_s[:, None] * b_s[None, :], acc)
+            elif IEEE:  # fp32 operands (CPU tests)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:  # BF16: the segment's groups accumulate in the tensor cores' fp32 accumulator, one chain of MMAs
+                acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        total += acc
     ym = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(y_ptr + pid_s * stride_ys + rows[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + pid_s * stride_ys + rows[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
              mask=ym)
 
 
