@@ -13,7 +13,7 @@ KIND = {
     "test_grad_accum.py": "unit", "test_gemm_backends.py": "unit",
     "test_fp8_model.py": "unit", "test_loss.py": "unit", "test_config.py": "unit",
     "test_models.py": "unit", "test_rewards_data.py": "unit", "test_sync.py": "unit", "test_partial_fp8.py": "unit",
-    "test_architecture.py": "unit", "test_sglang_contract.py": "unit",
+    "test_architecture.py": "unit", "test_sglang_contract.py": "unit", "test_kernels_compiled.py": "unit",
     "test_rl.py": "e2e", "test_fleet.py": "e2e", "test_chat_eval.py": "e2e", "test_reliability.py": "e2e",
     "test_convert.py": "e2e", "test_launch.py": "e2e", "test_bench.py": "e2e",
     "test_gpu_quant.py": "gpu", "test_gpu_gemm.py": "gpu", "test_gpu_decode.py": "gpu", "test_gpu_model.py": "gpu",

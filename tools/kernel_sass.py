@@ -1,0 +1,150 @@
+"""Triton kernels compiled for the H200 (sm_90a) on any machine, no GPU needed: Triton's compiler and the
+``ptxas``/``nvdisasm`` its wheel ships, the arguments specialized as a launch specializes them (16-divisible pointers
+and strides). For each plan the loop that issues the tensor-core instructions is printed: its instruction mix per
+iteration, its MMA wait depth (``WARPGROUP.DEPBAR.LE gsb0, N``: N groups left in flight; 0 = each waited for),
+the registers and shared memory a program takes and how many programs an SM then holds. A static view of a
+kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_bench.py``).
+
+- ``gemm``: the exact GEMM (``kernels/exact_gemm.py``), plans ``kind:sum_segments:BLOCK_M:BLOCK_N:warps:stages``;
+  the fp32 work per group is the promotion's cost.
+- ``decode-attn``: the decode attention (``kernels/decode_attn.py``, BF16 or FP8 KV cache) at the 8B model's
+  shapes (4 query heads per KV group, head dim 128), plans ``kv:BLOCK_N:warps:stages``; also warp-instructions
+  per key and per KV byte, the measure of an issue-bound decode kernel.
+
+Usage: python tools/kernel_sass.py gemm [--plans ...] | decode-attn [--plans bf16:64:4:2,fp8:128:4:3,...]"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_jetrl.kernels.decode_attn import _decode_attn_kernel
+from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
+
+PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
+ATTN_PLANS = "bf16:64:4:2,fp8:128:4:3,fp8:64:4:3,fp8:128:8:3"
+SM90_TARGET = GPUTarget("cuda", 90, 32)
+_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: int, stages: int):
+    """The kernel with TMA descriptors for sm_90a; returns Triton's compiled kernel (``asm["cubin"]``)."""
+    G = 128 if fp8 else BF16_GROUP
+    dt = "fp8e4nv" if fp8 else "bf16"
+    i32 = {n: "i32" for n in ("M", "N", "K", "per_seg", "stride_am", "stride_asm", "stride_ask", "stride_bn",
+                              "stride_bsn", "stride_ys", "stride_ym")}
+    sig = {"a_ptr": f"tensordesc<{dt}[{block_m},{G}]>", "as_ptr": "*fp32", "b_ptr": f"tensordesc<{dt}[{block_n},{G}]>",
+           "bs_ptr": "*fp32", "y_ptr": "*bf16" if sum_segs else "*fp32", **i32,
+           **{c: "constexpr" for c in ("G", "BLOCK_M", "BLOCK_N", "SUM_SEGS", "FP8", "IEEE", "TMA")}}
+    consts = {"G": G, "BLOCK_M": block_m, "BLOCK_N": block_n, "SUM_SEGS": sum_segs, "FP8": fp8, "IEEE": False,
+              "TMA": True}
+    return triton.compile(ASTSource(_exact_gemm_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2):
+    """The decode attention for sm_90a: 4 query heads per KV group, head dim 128, ``kv`` bf16 or fp8 cache."""
+    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    ptrs = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32", "ok_ptr": "*u8",
+            "pos_ptr": "*i64", "o_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
+    strides = {n: "i32" for n in ("sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l", "ss_b", "ss_g",
+                                  "sok_b", "so_b", "so_h")}
+    consts = {"HPG": 4, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
+              "NUM_STAGES": stages, "IEEE": False, "KV_FP8": kv == "fp8", "F16": kv == "fp8"}
+    sig = {**ptrs, **strides, **{c: "constexpr" for c in consts}}
+    return triton.compile(ASTSource(_decode_attn_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
+                          options={"num_warps": warps})
+
+
+def _divisible(sig: dict) -> dict:
+    """Pointers and integer arguments 16-divisible, as Triton specializes them at a launch with such values."""
+    return {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*") or t == "i32"}
+
+
+def mma_loop(sass: str) -> list[str]:
+    """The SASS lines of the innermost loop holding the tensor-core instructions: from the label a conditional
+    backward branch returns to, up to that branch (the unconditional jumps back from out-of-line barrier waits do
+    not close a loop)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := _LABEL.match(ln.strip()))}
+    best = None
+    for j, ln in enumerate(lines):
+        m = re.search(r"@!?P\w+\s+BRA\s+`\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), j) < j:
+            body = lines[labels[m.group(1)]:j + 1]
+            if any("MMA" in b for b in body) and (best is None or len(body) < len(best)):
+                best = body
+    return best or []
+
+
+def loop_mix(kernel) -> tuple[collections.Counter, list[str]]:
+    """A compiled kernel -> (its MMA loop's opcode counts per iteration, the loop's wait depths)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    loop = mma_loop(sass)
+    mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
+    return mix, sorted(set(re.findall(r"DEPBAR\.LE gsb0, (0x\d+)", "\n".join(loop))))
+
+
+def registers(kernel) -> int:
+    """Registers per thread of a compiled kernel (``cuobjdump -res-usage``)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1))
+
+
+def programs_per_sm(regs: int, warps: int, shared: int) -> int:
+    """Resident programs per H100/H200 SM: 64K registers (allocated per warp in 256s), 227 KiB of shared memory
+    (1 KiB reserved per program)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 232448 // (shared + 1024), 32)
+
+
+def gemm_plan(plan: str) -> tuple[collections.Counter, list[str], int]:
+    """``kind:sum_segments:BLOCK_M:BLOCK_N:warps:stages`` -> (loop mix, wait depths, shared bytes)."""
+    kind, ss, *nums = plan.split(":")
+    k = compile_gemm(kind == "fp8", ss == "1", *map(int, nums))
+    return (*loop_mix(k), k.metadata.shared)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=["gemm", "decode-attn"])
+    ap.add_argument("--plans")
+    a = ap.parse_args()
+    for plan in (a.plans or (PLANS if a.kernel == "gemm" else ATTN_PLANS)).split(","):
+        if a.kernel == "gemm":
+            kind, ss, block_m, block_n, warps, stages = plan.split(":")
+            k = compile_gemm(kind == "fp8", ss == "1", int(block_m), int(block_n), int(warps), int(stages))
+            extra = ""
+        else:
+            kv, block_n, warps, stages = plan.split(":")
+            k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
+        mix, waits = loop_mix(k)
+        if a.kernel == "decode-attn":
+            per_key = sum(mix.values()) * int(warps) / int(block_n)
+            key_bytes = 2 * 128 * (1 if kv == "fp8" else 2) + (8 if kv == "fp8" else 0)  # K + V (+ their scales)
+            extra = f"; {per_key:.1f} warp-instructions per key, {per_key / key_bytes:.3f} per KV byte"
+        regs, shared = registers(k), k.metadata.shared
+        top = ", ".join(f"{op} {n}" for op, n in mix.most_common(10))
+        print(f"{plan}: {regs} registers, shared {shared} B, {programs_per_sm(regs, int(warps), shared)} programs/SM; "
+              f"MMA loop {sum(mix.values())} instructions/iteration (wait depth {'/'.join(waits) or '-'}){extra}: {top}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
