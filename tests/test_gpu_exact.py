@@ -51,6 +51,25 @@ def test_exact_bf16_gemm_rows_do_not_depend_on_the_row_count():
         assert (full[:64].float() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+def test_exact_label_logp_rows_do_not_depend_on_the_row_count():
+    """Exact mode's logprob at Llama-3's vocabulary (128,256): the sampler's ``label_logp`` over 1, 64 and 256 rows
+    gives the bits of the trainer's fused logprob over 4,608 rows (a [s, b, V] view of [b, s, V] memory) for the
+    same rows; the eager ``log_softmax`` statement is close (1e-4)."""
+    from megatron_jetrl.kernels.fused_logp import fused_logp_entropy, label_logp
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(4, 1152, 128256, device="cuda", generator=g) * 3).bfloat16().transpose(0, 1)
+    labels = torch.randint(0, 128256, (1152, 4), device="cuda", generator=g)
+    train = fused_logp_entropy(logits, labels, 0.8)[0]
+    rows, lab = logits.reshape(-1, 128256), labels.reshape(-1)
+    for m in (1, 64, 256):
+        for start in (0, 1000, 4608 - m):
+            assert torch.equal(label_logp(rows[start:start + m], lab[start:start + m], 0.8),
+                               train.reshape(-1)[start:start + m]), (m, start)
+    ref = torch.log_softmax(rows[:256].float() / 0.8, -1).gather(-1, lab[:256, None]).squeeze(-1)
+    assert (train.reshape(-1)[:256] - ref).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_exact_attention_decode_step_equals_the_training_forward(fp8):
     """``kernels/exact_attn.py`` at 8B attention shapes (32 heads, 8 groups, head dim 128): a query decoded over a
@@ -116,7 +135,7 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_on_gpu(mode, tmp_path, m
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
-    from tests.workers import build_loaded, perturb_weights, random_prompts, rollout_train_gap
+    from tests.workers import build_loaded, gaps_before_and_after_update
 
     make_hf_model("qwen3", str(tmp_path), seed=9)
     params = SamplingParams(max_new_tokens=80, temperature=1.0)
@@ -127,13 +146,8 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_on_gpu(mode, tmp_path, m
         model = model.bfloat16()
         state.bump()
         engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=5)
-        g = torch.Generator().manual_seed(0)
-        diffs = []
-        for update in (False, True):
-            if update:
-                perturb_weights(model, state, g)
-            for B in ((1, 64, 256) if exact and not update else (64,)):
-                diffs.append(rollout_train_gap(engine, model, random_prompts(B, g), params, 24, exact))
+        diffs = gaps_before_and_after_update(engine, model, state, params, (1, 64, 256) if exact else (64,),
+                                             torch.Generator().manual_seed(0), exact)
         if exact:
             assert engine._decoder.exact and engine._decoder.use_graphs
             assert diffs == [0.0] * len(diffs), (mode, diffs)

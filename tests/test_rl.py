@@ -271,7 +271,7 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
     another size than the rollout's batch, and again after the weights change (an optimizer step's worth, the FP8
     caches re-quantized); without the mode a batch of 64 differs from the trainer in the last bits."""
     from megatron_jetrl.bench.timing import mode_overrides
-    from tests.workers import perturb_weights, random_prompts, rollout_train_gap
+    from tests.workers import gaps_before_and_after_update
 
     make_hf_model("qwen3", str(tmp_path), seed=9)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -280,15 +280,9 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
         _, model, state = build_loaded(str(tmp_path), [*mode_overrides(mode), f"precision.exact={str(exact).lower()}",
                                                        "model.max_position_embeddings=32"])
         engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=5)
-        g = torch.Generator().manual_seed(0)
-        diffs = []
-        for update in (False, True):
-            if update:
-                perturb_weights(model, state, g)
-            sizes = ((1, 64, 256) if mode == "jet" else (1, 64)) if exact else (64,)
-            for B in (sizes if not update else (64,)):
-                diffs.append(rollout_train_gap(engine, model, random_prompts(B, g), params, 24, exact,
-                                               pad_to_exact=exact))
+        sizes = ((1, 64, 256) if mode == "jet" else (1, 64)) if exact else (64,)
+        diffs = gaps_before_and_after_update(engine, model, state, params, sizes, torch.Generator().manual_seed(0),
+                                             exact, pad_to_exact=exact)
         worst[exact] = max(diffs)
         if exact:
             assert diffs == [0.0] * len(diffs), diffs

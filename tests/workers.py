@@ -36,8 +36,8 @@ def perturb_weights(model, state, g: torch.Generator) -> None:
 def rollout_train_gap(engine, model, prompts, params, micro_batch: int, exact: bool, pad_to_exact: bool = False
                       ) -> float:
     """Max over the sampled tokens of ``|logp_train - logp_rollout|``: ``engine`` generates for ``prompts``, the
-    trainer's forward recomputes the tokens' logprobs in micro-batches of ``micro_batch`` (``exact``: with exact mode's
-    logprob statement; ``pad_to_exact``: padded to ``models.builder.exact_length``, the CPU emulation's length)."""
+    trainer's forward recomputes the tokens' logprobs in micro-batches of ``micro_batch`` (``exact``: exact mode's
+    logprob; ``pad_to_exact``: padded to ``models.builder.exact_length``, the CPU emulation's length)."""
     from megatron_jetrl.models.builder import exact_length
     from megatron_jetrl.trainer.actor import build_batch, train_logprobs
 
@@ -47,6 +47,15 @@ def rollout_train_gap(engine, model, prompts, params, micro_batch: int, exact: b
     seq_len = exact_length(model, batch.tokens.shape[1] - 1) if pad_to_exact else None
     lp = train_logprobs(model, batch, params.temperature, micro_batch, seq_len, exact)
     return ((lp - batch.rollout_logp).abs() * batch.mask).max().item()
+
+
+def gaps_before_and_after_update(engine, model, state, params, sizes, g: torch.Generator, exact: bool,
+                                 pad_to_exact: bool = False) -> list[float]:
+    """:func:`rollout_train_gap` (micro-batches of 24) for a batch of :func:`random_prompts` of each size in
+    ``sizes``, then after :func:`perturb_weights` for a batch of 64: the gaps in that order."""
+    diffs = [rollout_train_gap(engine, model, random_prompts(B, g), params, 24, exact, pad_to_exact) for B in sizes]
+    perturb_weights(model, state, g)
+    return diffs + [rollout_train_gap(engine, model, random_prompts(64, g), params, 24, exact, pad_to_exact)]
 
 
 def mean_nll(model, tokens: torch.Tensor, forward_only: bool = True):

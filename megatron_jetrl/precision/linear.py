@@ -480,8 +480,7 @@ class FP8LinearMixin:
             pre = self.hints.prequantized_input
             if pre is not None and (fused or pre[0].shape[0] != M):
                 pre = None
-            if (self.hints.defer_split_sum and bias is None and inv_perm is None
-                    and getattr(self, "bias", None) is None):
+            if self._defers_split_sum(bias, inv_perm):
                 out, self.deferred_splits = small_m_linear(input, qweight, scale_inv, self.fp8_state.recipe,
                                                            swiglu=fused, xq=pre, return_partials=True)
                 return out
@@ -493,11 +492,10 @@ class FP8LinearMixin:
             # the same FP8 blocks in Megatron's row order: no permutation of y, dy or dW
             qweight, scale_inv = cache.train_order(self.weight, self.fp8_state)
             inv_perm, perm = None, None
-        pre = self.hints.prequantized_input
         if exact and not torch.is_grad_enabled():  # the decoder: the trainer's quantizers and exact GEMM, no autograd
             return self._exact_inference(input, qweight, scale_inv, inv_perm, bias, M)
-        if (pre is not None and not exact and not torch.is_grad_enabled() and not self.hints.swiglu_input
-                and pre[0].shape == (M, input.shape[-1])):
+        pre = self._prequantized(input, M)
+        if pre is not None and not torch.is_grad_enabled():
             # inference with x's FP8 bytes and scales from the op that produced x (the decoder's norm kernel,
             # scales in cuBLAS's column-major layout): the GEMM alone, no quantizer launch
             y = _forward_gemm(pre[0], pre[1], qweight, scale_inv, inv_perm, self.fp8_backend, input.dtype,
@@ -509,6 +507,20 @@ class FP8LinearMixin:
                        cache if self.fp8_state.cache_dgrad_weights and torch.is_grad_enabled() else None, exact)
         return out if bias is None else out + bias
 
+    def _prequantized(self, input, M):
+        """``input``'s FP8 bytes and scales handed over by the op that produced it (``prequantized_input``: the decoder's
+        fused add + RMSNorm + quantizer), when they are this call's operand (M rows, not a SwiGLU input); else None."""
+        pre = self.hints.prequantized_input
+        if pre is None or self.hints.swiglu_input or pre[0].shape != (M, input.shape[-1]):
+            return None
+        return pre
+
+    def _defers_split_sum(self, bias, inv_perm) -> bool:
+        """Whether an inference call may return its split-K fp32 partials for the decoder's norm kernel to add
+        (``defer_split_sum``): no bias to add after the sum, the output in Megatron's order."""
+        return (self.hints.defer_split_sum and bias is None and inv_perm is None
+                and getattr(self, "bias", None) is None)
+
     def _exact_inference(self, input, qweight, scale_inv, inv_perm, bias, M):
         """Exact mode's inference forward (the static decoder): the activation bytes the training forward's quantizer
         computes (``quantize_act`` / ``quantize_swiglu``, or the same bytes handed over by the decoder's fused add +
@@ -517,15 +529,14 @@ class FP8LinearMixin:
         from megatron_jetrl.kernels.exact_gemm import exact_block_gemm
         from megatron_jetrl.precision.quant import quantize_swiglu
 
-        recipe, pre, lead = self.fp8_state.recipe, self.hints.prequantized_input, input.shape[:-1]
-        if pre is not None and not self.hints.swiglu_input and pre[0].shape == (M, input.shape[-1]):
+        recipe, pre, lead = self.fp8_state.recipe, self._prequantized(input, M), input.shape[:-1]
+        if pre is not None:
             xq, xs = pre
         elif self.hints.swiglu_input:
             xq, xs = quantize_swiglu(input.reshape(M, -1), recipe)
         else:
             xq, xs = quantize_act(input.reshape(M, -1), recipe)
-        defer = (self.hints.defer_split_sum and bias is None and inv_perm is None
-                 and getattr(self, "bias", None) is None)
+        defer = self._defers_split_sum(bias, inv_perm)
         y, splits = exact_block_gemm(xq, xs, qweight, scale_inv, input.dtype, recipe.group_size,
                                      return_partials=True)
         if splits > 1:
