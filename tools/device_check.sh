@@ -2,12 +2,12 @@
 # GPU checks on one CUDA machine: GPU tests, linear benchmarks, mismatch study, rollout / training / RL-step benchmarks;
 # tables and plots under $OUT (default gpu_out/). megatron-core: installed already, or its wheel in .whl/ (installed
 # into /tmp/site). Usage:
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|exact|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr (GPU_TESTS: the test files, TESTS_TIMEOUT its limit); BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_TOKENS/RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
-# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT); STEP_STEPS/STEP_TIMEOUT set the step part's
+# dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT), part exact times exact mode's kernels against the default ones (EX_ARGS); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
 # (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files.
 set -o pipefail
@@ -52,6 +52,9 @@ if want deepgemm; then  # DeepGEMM's GEMM alone vs cuBLAS's vs BF16 (DG_ARGS), t
 fi
 if want decattn; then  # decode attention alone: SDPA over the bucket vs the exact-length Triton kernel's plans
   timeout ${DA_TIMEOUT:-150} python3 tools/attn_decode_bench.py ${DA_ARGS} --json $OUT/attn_decode.json 2>&1 | grep -v -i warn | tee $OUT/attn_decode.txt
+fi
+if want exact; then  # exact mode's GEMMs (every plan, with a same-bits column) and attention vs the default kernels
+  timeout ${EX_TIMEOUT:-240} python3 tools/exact_bench.py ${EX_ARGS} --json $OUT/exact_bench.json 2>&1 | grep -v -i warn | tee $OUT/exact_bench.txt
 fi
 if want attn; then
   timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
