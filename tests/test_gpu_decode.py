@@ -156,9 +156,10 @@ def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
                                                   (3, 6, 6, 80, 300, 0, 2)])
 def test_fp8_decode_attention_equals_the_dequantized_cache(b, H, G, D, L, pos, splits, dtype):
     """The decode attention over an FP8 KV cache (E4M3 bytes, power-of-two scales per token and KV head folded into
-    the scores and the softmax weights) gives the same kernel's
+    the scores and the softmax weights; V key-major, as the decoder keeps it) gives the same kernel's
     output over the dequantized cache in the model's dtype (what the trainer's attention reads): bit for bit in
-    fp32, to BF16 rounding on BF16 tensor cores; and the fp32 attention over it within the dtype's rounding."""
+    fp32, to BF16 rounding on BF16 tensor cores; and the fp32 attention over it within the dtype's rounding. With V
+    in [L, d] memory the kernel reads strided tiles and gives the same bits."""
     from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -173,8 +174,10 @@ def test_fp8_decode_attention_equals_the_dequantized_cache(b, H, G, D, L, pos, s
     ok[::3, : min(17, pos)] = False
     splits = splits or default_splits(b, G, L, q.device)
     p = torch.tensor([pos], device="cuda")
-    out = decode_attention(q, kq, vq, ok, p, D ** -0.5, splits, k_scale=ks, v_scale=vs)
-    same = decode_attention(q, kd, vd, ok, p, D ** -0.5, splits)
+    key_major = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 - [b, G, d, L] memory
+    out = decode_attention(q, kq, key_major(vq), ok, p, D ** -0.5, splits, 128, 2, 4, k_scale=ks, v_scale=vs)
+    assert same_bytes(decode_attention(q, kq, vq, ok, p, D ** -0.5, splits, 128, 2, 4, k_scale=ks, v_scale=vs), out)
+    same = decode_attention(q, kd, key_major(vd), ok, p, D ** -0.5, splits, 128, 2, 4)
     err = (out.float() - same.float()).abs().max().item()
     print(f"FP8-KV decode attention b={b} {dtype}: max diff vs the dequantized cache {err:.2e}")
     assert same_bytes(out, same) if dtype == torch.float32 else err < 1e-2
@@ -381,7 +384,7 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     """A layer's KV cache of 256 rows x 8 groups x 8320 positions x 128 (a batch-256, 8K-token rollout of an 8B
     model) holds more than 2^31 elements: the RoPE + cache-write kernel and the decode attention compute 64-bit
     offsets, so the last row is written where torch indexes it and attended over correctly (32-bit offsets wrapped
-    into an illegal memory access)."""
+    into an illegal memory access). The FP8 cache keeps V key-major, as the decoder does."""
     from megatron_jetrl.kernels.decode_attn import decode_attention
     from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
@@ -391,7 +394,8 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     assert b * G * L * D > 2 ** 31
     recipe = FP8Recipe(kv_cache="fp8")
     dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    kc, vc = torch.zeros(b, G, L, D, dtype=dt, device="cuda"), torch.zeros(b, G, L, D, dtype=dt, device="cuda")
+    kc = torch.zeros(b, G, L, D, dtype=dt, device="cuda")
+    vc = torch.zeros(b, G, D, L, dtype=dt, device="cuda").transpose(-1, -2) if fp8 else torch.zeros_like(kc)
     ks = vs = None
     if fp8:
         ks, vs = torch.ones(b, G, L, device="cuda"), torch.ones(b, G, L, device="cuda")
@@ -413,11 +417,13 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     rope_and_cache(q, k1, v1, cos, sin, kc, vc, idx, ks, vs, recipe if fp8 else None)
     if fp8:
         kq1, ks1 = quantize_kv(k1[0, -1], recipe)
+        vq1, vs1 = quantize_kv(v1[0, -1], recipe)
         assert same_bytes(kc[-1, :, pos], kq1) and torch.equal(ks[-1, :, pos], ks1)
+        assert same_bytes(vc[-1, :, pos], vq1) and torch.equal(vs[-1, :, pos], vs1)
     else:
         assert torch.equal(kc[-1, :, pos], k1[0, -1]) and torch.equal(vc[-1, :, pos], v1[0, -1])
     ok = torch.ones(b, L, dtype=torch.bool, device="cuda")
-    plan = (128, 3, 4) if fp8 else (64, 2, 4)
+    plan = (128, 2, 4) if fp8 else (64, 2, 4)  # the decoder's: the key-major kernel over the FP8 cache
     out = decode_attention(q[0], kc, vc, ok, idx, D ** -0.5, 2, *plan, k_scale=ks, v_scale=vs)
     kl = kc[-1, :, : pos + 1] if not fp8 else dequantize_kv(kc[-1, :, : pos + 1], ks[-1, :, : pos + 1], torch.float32)
     vl = vc[-1, :, : pos + 1] if not fp8 else dequantize_kv(vc[-1, :, : pos + 1], vs[-1, :, : pos + 1], torch.float32)

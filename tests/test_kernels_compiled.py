@@ -34,3 +34,19 @@ def test_exact_gemm_pipelined_loop_holds_only_the_promotion(plan):
     else:
         assert mix["HGMMA"] == 4 and not fp32_ops and "0x1" in waits, (plan, fp32_ops, waits)
     assert shared <= 114 * 1024, shared  # two programs per SM (228 KiB)
+
+
+def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
+    """The decode attention over the FP8 KV cache (the key-major kernel over the decoder's key-major V, its plan
+    128-key tiles, 4 warps, 2 stages) against the BF16 cache's (head-major, 64-key tiles): per KV byte its loop
+    issues at most 1.4x the BF16 loop's warp-instructions (Triton 3.6's mma.sync code 0.94x, Triton 3.9's warpgroup
+    MMAs 1.32x; the head-major form over FP8 tiles issued 2.3-2.4x),
+    converts each E4M3 pair once (about 2 x 128 x 128 / 2 conversions per thread-iteration of 128 keys), reads no
+    cache byte on its own (no ``LDS.U8``: V gathered one key at a time) and spills no register."""
+    ks = _kernel_sass()
+    bf16, fp8 = ks.decode_attn_plan("bf16:64:4:2"), ks.decode_attn_plan("fp8:128:4:2")
+    assert fp8["loop"] and bf16["loop"]
+    assert fp8["per_byte"] <= 1.4 * bf16["per_byte"], (fp8["per_byte"], bf16["per_byte"], fp8["mix"].most_common(8))
+    assert fp8["mix"]["F2FP"] <= 1.1 * 128, fp8["mix"]
+    assert not any("LDS.U8" in ln for ln in fp8["loop"]), [ln for ln in fp8["loop"] if "LDS.U8" in ln][:3]
+    assert not (fp8["mix"]["LDL"] or fp8["mix"]["STL"]), fp8["mix"]

@@ -266,10 +266,12 @@ def test_fp8_kv_cache_kernels_under_the_interpreter():
       rotated in place, other columns are untouched;
     - the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) equals those bytes times the scales,
       for a strided [s, b, g, d] view;
-    - the decode attention over an FP8 cache (scales folded into the scores and the softmax weights) equals SDPA
-      over the dequantized K/V to 1e-5, and the same kernel over the dequantized cache bit for bit (multiplying by a
-      power of two commutes with rounding), one split and several; with a 16-bit q (the GPU's path: fp16 tensor
-      cores, P times 2^8 in fp16) within fp16's rounding."""
+    - the cache write into a key-major V cache (the decoder's FP8 cache: ``[b, G, d, L]`` memory) stores the same
+      bytes;
+    - the decode attention over an FP8 cache (the key-major kernel; scales folded into the scores and the softmax
+      weights) equals SDPA over the dequantized K/V to 1e-5, and the same kernel over the dequantized cache bit for
+      bit (multiplying by a power of two commutes with rounding), with V key-major or [L, d], one split and several;
+      with a 16-bit q (the GPU's path: fp16 tensor cores, P times 2^8 in fp16) within fp16's rounding."""
     code = r'''
 import torch, torch.nn.functional as F
 from megatron_jetrl.kernels.decode_attn import decode_attention
@@ -318,6 +320,9 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     assert torch.equal(kc[:, :, idx].view(torch.uint8), kq) and torch.equal(ks[:, :, idx], ksc)
     assert torch.equal(vc[:, :, idx].view(torch.uint8), vq) and torch.equal(vs[:, :, idx], vsc)
     assert not kc[:, :, ~cols].float().any() and bool((ks[:, :, ~cols] == 7.0).all())
+    vck = torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)  # V key-major, the decoder's FP8 cache
+    rope_and_cache(q.clone(), k, v, cos, sin, torch.zeros_like(kc), vck, idx, ks.clone(), vs.clone(), recipe)
+    assert torch.equal(vck.view(torch.uint8), vc.view(torch.uint8))
     kc32 = torch.zeros(b, G, L, D)
     vc32 = torch.zeros_like(kc32)
     rope_and_cache(q.clone(), k, v, cos, sin, kc32, vc32, idx)
@@ -337,11 +342,15 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 6
     bias = torch.zeros(b, 1, 1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
     kd, vd = dequantize_kv(kq, ks, torch.float32), dequantize_kv(vq, vs, torch.float32)
     ref = F.scaled_dot_product_attention(q[:, :, None], kd, vd, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
-    out = decode_attention(q, kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16, k_scale=ks, v_scale=vs)
+    vqk = vq.transpose(-1, -2).contiguous().transpose(-1, -2)  # V key-major, as the decoder keeps it
+    out = decode_attention(q, kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16, k_scale=ks, v_scale=vs)
     assert (out - ref).abs().max() < 1e-5, (b, H, G, D, pos, splits, (out - ref).abs().max())
-    same = decode_attention(q, kd, vd, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16)
+    assert torch.equal(decode_attention(q, kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
+                                        k_scale=ks, v_scale=vs), out)  # V [L, d]: the same kernel, strided tiles
+    same = decode_attention(q, kd, vd.transpose(-1, -2).contiguous().transpose(-1, -2), ok, torch.tensor([pos]),
+                            D ** -0.5, splits=splits, block_n=16)
     assert torch.equal(out, same)  # power-of-two scales folded into scores and weights: the dequantized cache's bits
-    out16 = decode_attention(q.half(), kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
+    out16 = decode_attention(q.half(), kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
                              k_scale=ks, v_scale=vs)  # a 16-bit q: the fp16 tensor-core path
     assert out16.dtype == torch.float16 and (out16.float() - ref).abs().max() < 3e-3, (out16.float() - ref).abs().max()
 print("ok")

@@ -700,7 +700,9 @@ def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     splits left empty at short lengths), and pos = 0. Then the static decoder on it (llama, GQA, fp32,
     unquantized: in jet a last-bit difference can cross an E4M3 rounding boundary): the same sampled
     tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order), one graph key
-    for every length, and the kernel actually called at every decode step."""
+    for every length, and the kernel actually called at every decode step. The key-major kernel (V key-major:
+    whole tiles unmasked, the split's last keys in masked tail tiles) equals SDPA alike, and in jet with the FP8 KV
+    cache the Triton decoder keeps V key-major and draws the SDPA decoder's tokens (logprobs to 1e-4)."""
     make_hf_model("llama", str(tmp_path), seed=7)
     code = r'''
 import sys
@@ -722,6 +724,10 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 2
     ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
     out = decode_attention(q, k, v, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16)
     assert out.shape == (b, H, D) and (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, (out - ref).abs().max())
+    vk = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # V key-major: the key-major kernel
+    for bn in (16, 64):  # 64: whole tiles, then up to two masked 32-key tail tiles
+        out = decode_attention(q, k, vk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=bn)
+        assert (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, bn, (out - ref).abs().max())
 
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
@@ -740,6 +746,21 @@ for attention in ("sdpa", "triton"):
     assert dec.triton_attn is (attention == "triton")
     assert (dec.bucket_len(5) == dec.bucket_len(dec.L - 1) == dec.L) is (attention == "triton")
 assert len(calls) == 9 * 2, len(calls)  # every decode step after the prefill's token, in both layers
+lp = []
+for a, b in zip(runs["sdpa"], runs["triton"]):
+    assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
+    lp += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
+assert max(lp) < 1e-4, max(lp)
+# jet with the FP8 KV cache: the Triton decoder keeps V key-major (the key-major kernel reads it) and draws the
+# SDPA decoder's tokens, whose attention reads the same cache's dequantized values
+_, model, state = build_loaded(sys.argv[1], ["precision.mode=jet", "precision.kv_cache=fp8"])
+runs, calls[:] = {}, []
+for attention in ("sdpa", "triton"):
+    engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=4, attention=attention)
+    runs[attention] = engine.generate(prompts, params)
+    dec = engine._decoder
+    assert dec.v_key_major is (attention == "triton") and (dec.v.stride(-2) == 1) is (attention == "triton")
+assert len(calls) == 9 * 2, len(calls)
 lp = []
 for a, b in zip(runs["sdpa"], runs["triton"]):
     assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)

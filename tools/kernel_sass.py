@@ -7,9 +7,13 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
 
 - ``gemm``: the exact GEMM (``kernels/exact_gemm.py``), plans ``kind:sum_segments:BLOCK_M:BLOCK_N:warps:stages``;
   the fp32 work per group is the promotion's cost.
-- ``decode-attn``: the decode attention (``kernels/decode_attn.py``, BF16 or FP8 KV cache) at the 8B model's
-  shapes (4 query heads per KV group, head dim 128), plans ``kv:BLOCK_N:warps:stages``; also warp-instructions
-  per key and per KV byte, the measure of an issue-bound decode kernel.
+- ``decode-attn``: the decode attention (``kernels/decode_attn.py``: the head-major kernel over a BF16 cache, the
+  key-major one over the decoder's FP8 cache) at the 8B model's shapes (4 query heads per KV group, head dim 128),
+  plans ``kv:BLOCK_N:warps:stages``; also warp-instructions per key and per KV byte, the measure of an issue-bound
+  decode kernel.
+
+The compiler is the Triton this Python imports; the H200 image runs Triton 3.6, whose wheel compiles the same code
+on any machine (``PYTHONPATH=<unpacked triton-3.6.0 wheel> python tools/kernel_sass.py ...``).
 
 Usage: python tools/kernel_sass.py gemm [--plans ...] | decode-attn [--plans bf16:64:4:2,fp8:128:4:3,...]"""
 from __future__ import annotations
@@ -25,11 +29,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_jetrl.kernels.decode_attn import _decode_attn_kernel
+from megatron_jetrl.kernels.decode_attn import TAIL_N, _decode_attn_keys_kernel, _decode_attn_kernel
 from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
-ATTN_PLANS = "bf16:64:4:2,fp8:128:4:3,fp8:64:4:3,fp8:128:8:3"
+ATTN_PLANS = "bf16:64:4:2,fp8:128:4:2,fp8:128:4:3,fp8:64:4:2,fp8:256:4:2"
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -51,16 +55,31 @@ def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: i
 
 
 def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2):
-    """The decode attention for sm_90a: 4 query heads per KV group, head dim 128, ``kv`` bf16 or fp8 cache."""
+    """The decode attention for sm_90a: 4 query heads per KV group, head dim 128; ``kv`` bf16 (the head-major
+    kernel over a [L, d] cache) or fp8 (the key-major kernel over the decoder's FP8 cache, V stored [d, L])."""
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
-    ptrs = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32", "ok_ptr": "*u8",
-            "pos_ptr": "*i64", "o_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
-    strides = {n: "i32" for n in ("sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l", "ss_b", "ss_g",
-                                  "sok_b", "so_b", "so_h")}
+    ptrs = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ok_ptr": "*u8", "pos_ptr": "*i64", "o_ptr": "*bf16",
+            "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
+    names = ["sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l", "sok_b", "so_b", "so_h"]
     consts = {"HPG": 4, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
-              "NUM_STAGES": stages, "IEEE": False, "KV_FP8": kv == "fp8", "F16": kv == "fp8"}
+              "NUM_STAGES": stages, "IEEE": False}
+    kernel = _decode_attn_kernel
+    if kv == "fp8":
+        kernel = _decode_attn_keys_kernel
+        ptrs = {**{k: v for k, v in ptrs.items() if k != "scale"}, "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+        ptrs = {k: ptrs[k] for k in ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "ok_ptr", "pos_ptr", "o_ptr",
+                                     "part_ptr", "ml_ptr")} | {"qk_scale": "fp32"}
+        names = names[:7] + ["sv_l", "sv_d", "ss_b", "ss_g"] + names[8:]
+        consts.update(BLOCK_H=8, TAIL_N=TAIL_N, KV_FP8=True, F16=True)
+    strides = {n: "i32" for n in names}
     sig = {**ptrs, **strides, **{c: "constexpr" for c in consts}}
-    return triton.compile(ASTSource(_decode_attn_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
+    divisible = _divisible(sig)
+    if kv == "fp8":  # V stored [d, L]: its key stride is 1 (Triton specializes a 1 as a constant)
+        i = list(sig).index("sv_l")
+        sig["sv_l"] = "constexpr"
+        consts["sv_l"] = 1
+        divisible.pop((i,), None)
+    return triton.compile(ASTSource(kernel, sig, consts, divisible), target=SM90_TARGET,
                           options={"num_warps": warps})
 
 
@@ -70,29 +89,35 @@ def _divisible(sig: dict) -> dict:
 
 
 def mma_loop(sass: str) -> list[str]:
-    """The SASS lines of the innermost loop holding the tensor-core instructions: from the label a conditional
-    backward branch returns to, up to that branch (the unconditional jumps back from out-of-line barrier waits do
-    not close a loop)."""
+    """The SASS lines of the main loop: of the loops (from the label a conditional backward branch returns to, up
+    to that branch; the unconditional jumps back from out-of-line barrier waits do not close a loop) the one with
+    the most tensor-core instructions per iteration, the innermost of those (a kernel's narrow tail loop or an
+    outer loop around the pipelined one is not it)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := _LABEL.match(ln.strip()))}
-    best = None
+    best, key = [], None
     for j, ln in enumerate(lines):
         m = re.search(r"@!?P\w+\s+BRA\s+`\((\.L_x_\d+)\)", ln)
         if m and labels.get(m.group(1), j) < j:
             body = lines[labels[m.group(1)]:j + 1]
-            if any("MMA" in b for b in body) and (best is None or len(body) < len(best)):
-                best = body
-    return best or []
+            mmas = sum("MMA" in b for b in body)
+            if mmas and (key is None or (-mmas, len(body)) < key):
+                best, key = body, (-mmas, len(body))
+    return best
 
 
-def loop_mix(kernel) -> tuple[collections.Counter, list[str]]:
-    """A compiled kernel -> (its MMA loop's opcode counts per iteration, the loop's wait depths)."""
+def main_loop(kernel) -> list[str]:
+    """A compiled kernel -> the SASS lines of its main loop (:func:`mma_loop`)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    loop = mma_loop(sass)
+        return mma_loop(subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout)
+
+
+def loop_mix(kernel) -> tuple[collections.Counter, list[str]]:
+    """A compiled kernel -> (its MMA loop's opcode counts per iteration, the loop's wait depths)."""
+    loop = main_loop(kernel)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
     return mix, sorted(set(re.findall(r"DEPBAR\.LE gsb0, (0x\d+)", "\n".join(loop))))
 
@@ -121,6 +146,22 @@ def gemm_plan(plan: str) -> tuple[collections.Counter, list[str], int]:
     return (*loop_mix(k), k.metadata.shared)
 
 
+def decode_attn_plan(plan: str) -> dict:
+    """``kv:BLOCK_N:warps:stages`` -> the main loop (``loop``: its SASS lines, ``mix``: opcode counts per iteration),
+    ``regs``, ``shared`` bytes, ``programs`` per SM, warp-instructions ``per_key`` and ``per_byte`` of K and V (with
+    the FP8 cache's scales)."""
+    kv, block_n, warps, stages = plan.split(":")
+    k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
+    loop = main_loop(k)
+    mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
+    per_key = sum(mix.values()) * int(warps) / int(block_n)
+    key_bytes = 2 * 128 * (1 if kv == "fp8" else 2) + (8 if kv == "fp8" else 0)  # K + V (+ their scales)
+    regs = registers(k)
+    return {"loop": loop, "mix": mix, "regs": regs, "shared": k.metadata.shared,
+            "programs": programs_per_sm(regs, int(warps), k.metadata.shared), "per_key": per_key,
+            "per_byte": per_key / key_bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", choices=["gemm", "decode-attn"])
@@ -130,20 +171,17 @@ def main() -> None:
         if a.kernel == "gemm":
             kind, ss, block_m, block_n, warps, stages = plan.split(":")
             k = compile_gemm(kind == "fp8", ss == "1", int(block_m), int(block_n), int(warps), int(stages))
+            (mix, waits), regs, shared = loop_mix(k), registers(k), k.metadata.shared
+            head = f"{regs} registers, shared {shared} B, {programs_per_sm(regs, int(warps), shared)} programs/SM"
             extra = ""
         else:
-            kv, block_n, warps, stages = plan.split(":")
-            k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
-        mix, waits = loop_mix(k)
-        if a.kernel == "decode-attn":
-            per_key = sum(mix.values()) * int(warps) / int(block_n)
-            key_bytes = 2 * 128 * (1 if kv == "fp8" else 2) + (8 if kv == "fp8" else 0)  # K + V (+ their scales)
-            extra = f"; {per_key:.1f} warp-instructions per key, {per_key / key_bytes:.3f} per KV byte"
-        regs, shared = registers(k), k.metadata.shared
+            r = decode_attn_plan(plan)
+            mix, waits = r["mix"], []
+            head = f"{r['regs']} registers, shared {r['shared']} B, {r['programs']} programs/SM"
+            extra = f"; {r['per_key']:.1f} warp-instructions per key, {r['per_byte']:.3f} per KV byte"
         top = ", ".join(f"{op} {n}" for op, n in mix.most_common(10))
-        print(f"{plan}: {regs} registers, shared {shared} B, {programs_per_sm(regs, int(warps), shared)} programs/SM; "
-              f"MMA loop {sum(mix.values())} instructions/iteration (wait depth {'/'.join(waits) or '-'}){extra}: {top}",
-              flush=True)
+        print(f"{plan}: {head}; MMA loop {sum(mix.values())} instructions/iteration "
+              f"(wait depth {'/'.join(waits) or '-'}){extra}: {top}", flush=True)
 
 
 if __name__ == "__main__":

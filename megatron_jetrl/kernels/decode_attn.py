@@ -23,30 +23,40 @@ Opt-in (``rollout.decode_attention=triton``; measurements in docs/benchmarks.md,
 this kernel, bf16 / jet), while this kernel's rounding, independent of the attention the trainer runs, raises
 the RL step's train-rollout mismatch by about a quarter; so SDPA stays the default.
 With the FP8 KV cache (``precision.kv_cache=fp8``: E4M3 K/V, one power-of-two scale per token and KV head) the
-kernel reads the bytes and scales: K and V tiles converted to fp16 (exact) for fp16 tensor cores (q converted
-once), the key's scale multiplying its fp32 score and the value's scale (times 2^8, kept in fp16's normal range and
-divided out at the end) multiplying the softmax weight; powers of two, so the scales change no rounding. With an
-fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the kernel over the dequantized cache bit for
-bit. The decoder runs this for every decode step with an FP8 cache (SDPA reads no FP8).
+decoder runs the key-major kernel for every decode step (SDPA reads no FP8) and keeps V key-major for it (``[d, L]``
+memory). The head-major form above, fed FP8 tiles, had to gather V's bytes one key at a time for the P.V operand
+(V's reduction axis, the keys, is strided in a ``[L, d]`` cache) and padded the 4 query heads of an 8B group to the
+MMA's 16 rows; compiled for sm_90a (``python tools/kernel_sass.py decode-attn``) its loop issued 39.5
+warp-instructions per key at 255 registers (2 programs per SM). The key-major kernel computes S^T = K q^T and
+O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands, both contiguous along the reduction axis (wide
+loads, one E4M3 -> fp16 conversion per pair), the query heads are the narrow side (8), the loop's tiles are whole
+(unmasked loads) and a split's last keys run in masked 32-key tiles: 15.5 warp-instructions per key at 128
+registers (4 programs per SM), per KV byte what the BF16 kernel issues (0.058 vs 0.062). Numerics: K and V tiles
+converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and
+the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax
+weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and
+the result equals the same kernel over the dequantized cache bit for bit.
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-
+LOG2E = math.log2(math.e)
+TAIL_N = 32  # the key-major kernel's masked tiles at a split's end (narrow: few registers beside the pipelined loop)
 
 P_F16: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr, scale,
-                        sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, sok_b, so_b, so_h,
-                        HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
+def _program(q_ptr, pos_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's (row b, KV group g, key split s), its query heads and their rows q [BLOCK_H, BLOCK_D]
+    (masks hm, dm), and its keys [lo, hi): the split's share of ``0..pos`` in whole tiles."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a 256 x 8K-token cache of one layer passes 2^31 elements
     g = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -55,35 +65,37 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_
     hm = hh < HPG
     dm = dd < D
     heads = g * HPG + hh
-    qm = hm[:, None] & dm[None, :]
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=qm, other=0.0)
-    if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
-        # kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16 above 2^-14
-        q = q.to(tl.float16)
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     n = tl.load(pos_ptr).to(tl.int32) + 1  # keys 0..pos: the step's own key is written before this runs
     chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_N) * BLOCK_N
     lo = s * chunk
-    hi = tl.minimum(lo + chunk, n)
+    return b, g, s, heads, hm, dd, dm, q, lo, tl.minimum(lo + chunk, n)
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr, scale,
+                        sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sok_b, so_b, so_h,
+                        HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):
+    """Head-major: S = q K^T [BLOCK_H, BLOCK_N], O += P V with V's tile [BLOCK_N, d] as the second operand (the
+    cache's [L, d] layout)."""
+    b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
+                                                     SPLIT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kn = tl.arange(0, BLOCK_N)
     k_row = k_ptr + b * sk_b + g * sk_g
     v_row = v_ptr + b * sv_b + g * sv_g
-    s_row = b * ss_b + g * ss_g  # the FP8 cache's per-key scales [b, G, L] (KV_FP8)
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         keys = start + kn
         km = keys < hi
         ok = (tl.load(ok_ptr + b * sok_b + keys, mask=km, other=0) != 0) & km
         kt = tl.load(k_row + keys[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        if KV_FP8:  # E4M3 -> fp16/fp32 is exact; the key's power-of-two scale multiplies the fp32 score exactly
-            kt = kt.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
         else:
             sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
-        if KV_FP8:
-            sc = sc * tl.load(ks_ptr + s_row + keys, mask=km, other=1.0)[None, :]
         sc = tl.where(ok[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: exp() of -inf -> 0, not NaN
@@ -91,33 +103,140 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_
         p = tl.exp(sc - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_row + keys[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        if KV_FP8:  # the value's power-of-two scale on P (exact: P's rounding commutes with it); on fp16 times
-            # P_F16 = 2^8, so that P * scale stays in fp16's normal range (undone once at the end, exactly)
-            vt = vt.to(q.dtype)
-            p = p * (tl.load(vs_ptr + s_row + keys, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
         if IEEE:
             pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
         else:
             pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, False)
+
+
+@triton.jit
+def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
+                             qk_scale, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, sok_b,
+                             so_b, so_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                             NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                             F16: tl.constexpr):
+    """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
+    (key-contiguous in the FP8 cache's [d, L] layout: wide loads, one conversion per pair of keys). The query heads
+    of a group are the MMA's narrow dimension (BLOCK_H = 8 for 4 heads, where the head-major form pads them to 16),
+    the loop's tiles hold only keys below ``pos`` (unmasked loads) and masked ``TAIL_N``-key tiles end the split."""
+    b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
+                                                     SPLIT)
+    if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
+        # kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16 above 2^-14
+        q = q.to(tl.float16)
+    qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # whole tiles below hi; [full, hi) is the tail
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)  # O^T
+    k_row = k_ptr + b * sk_b + g * sk_g
+    v_row = v_ptr + b * sv_b + g * sv_g
+    ok_row = ok_ptr + b * sok_b
+    s_row = b * ss_b + g * ss_g  # the FP8 cache's per-key scales [b, G, L] (KV_FP8)
+    for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, m_i, l_i,
+                                   acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, IEEE, KV_FP8, F16)
+    for start in tl.range(full, hi, TAIL_N, num_stages=1):  # the split's last keys, masked, in narrow tiles
+        m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, m_i, l_i,
+                                   acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, TAIL_N, True, IEEE, KV_FP8, F16)
     if F16:
         acc = acc * (1.0 / P_F16)
-    if SPLIT == 1:
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
-    else:  # [B, H, SPLIT, BLOCK_D] partials and [B, H, SPLIT, 2] (max, sum), merged by _merge_kernel
-        H = tl.num_programs(1) * HPG
-        row = (b * H + heads) * SPLIT + s
-        tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=qm)
+    _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, True)
+
+
+@triton.jit
+def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
+               IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
+    """One key tile of the key-major kernel: keys ``start..start+BLOCK_N`` (``TAIL``: those below ``hi``, the rest
+    read as 0 and weighed 0) -> the online softmax's updated (max, sum, O^T). Scores in base 2 (``qk_scale`` holds
+    log2(e)); an FP8 key's power-of-two scale multiplies its fp32 score and a value's scale (times P_F16 on fp16)
+    its softmax weight, exactly."""
+    keys = start + tl.arange(0, BLOCK_N)
+    dd = tl.arange(0, BLOCK_D)
+    k_ptrs = k_row + keys[:, None] * sk_l + dd[None, :]
+    v_ptrs = v_row + dd[:, None] * sv_d + keys[None, :] * sv_l
+    if TAIL:
+        km = keys < hi
+        ok = (tl.load(ok_row + keys, mask=km, other=0) != 0) & km
+        kt = tl.load(k_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & km[None, :], other=0.0)
+        if KV_FP8:
+            kscale = tl.load(ks_row + keys, mask=km, other=1.0) * qk_scale
+            vscale = tl.load(vs_row + keys, mask=km, other=0.0)
+    else:
+        ok = tl.load(ok_row + keys) != 0
+        if D == BLOCK_D:
+            kt = tl.load(k_ptrs)
+            vt = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
+            vt = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0)
+        if KV_FP8:
+            kscale = tl.load(ks_row + keys) * qk_scale
+            vscale = tl.load(vs_row + keys)
+    kt = kt.to(qt.dtype)  # E4M3 -> fp16/fp32: exact
+    if IEEE:
+        st = tl.dot(kt, qt, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        st = tl.dot(kt, qt, out_dtype=tl.float32)
+    if KV_FP8:
+        st = st * kscale[:, None]
+    else:
+        st = st * qk_scale
+    st = tl.where(ok[:, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: exp2() of -inf -> 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(st - m_ref[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if KV_FP8:
+        p = p * (vscale * (P_F16 if F16 else 1.0))[:, None]
+    vt = vt.to(qt.dtype)
+    if IEEE:
+        pv = tl.dot(vt, p.to(vt.dtype), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        pv = tl.dot(vt, p.to(vt.dtype), out_dtype=tl.float32)
+    return m_new, l_i, acc * alpha[None, :] + pv
+
+
+@triton.jit
+def _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h, H, s,
+               BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A program's result: with one split the output ``acc / l`` ([heads, d]; ``TRANSPOSED``: acc is [d, heads]),
+    with several its unnormalized fp32 partial [B, H, SPLIT, BLOCK_D] and (max, sum) [B, H, SPLIT, 2] for
+    :func:`_merge_kernel`."""
+    row = (b * H + heads) * SPLIT + s
+    if TRANSPOSED:
+        mask = dm[:, None] & hm[None, :]
+        if SPLIT == 1:
+            out = acc / l_i[None, :]
+            tl.store(o_ptr + b * so_b + heads[None, :] * so_h + dd[:, None], out.to(o_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + row[None, :] * BLOCK_D + dd[:, None], acc, mask=mask)
+    else:
+        mask = hm[:, None] & dm[None, :]
+        if SPLIT == 1:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=mask)
+    if SPLIT > 1:
         tl.store(ml_ptr + row * 2, m_i, mask=hm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
 
 
 @triton.jit
 def _merge_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
-    """out[b, h] = sum_s part_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s (split order)."""
+                  SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BASE2: tl.constexpr):
+    """out[b, h] = sum_s part_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s (split order; ``BASE2``:
+    the maxima are of base-2 scores, exp2)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -127,7 +246,7 @@ def _merge_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, H, D: tl.constexpr, BLOCK
     m_s = tl.load(ml_ptr + row * 2, mask=sm, other=float("-inf"))
     l_s = tl.load(ml_ptr + row * 2 + 1, mask=sm, other=0.0)
     m = tl.max(m_s, 0)  # finite: the split holding key ``pos`` (always valid) has a finite max
-    w = tl.exp(m_s - m)
+    w = tl.exp2(m_s - m) if BASE2 else tl.exp(m_s - m)
     acc = tl.load(part_ptr + row[:, None] * BLOCK_D + dd[None, :], mask=sm[:, None] & (dd[None, :] < D), other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(o_ptr + b * so_b + h * so_h + dd, out.to(o_ptr.dtype.element_ty), mask=dd < D)
@@ -147,29 +266,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_stages: int = 2, num_warps: int = 4, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
-    ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache) over keys ``0..pos[0]``
-    where ``key_ok [b, L]`` is true; returns ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element
-    device tensor (read by the kernel: no host sync, one CUDA graph for every length). An FP8 cache
-    (float8_e4m3fn K/V with ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride,
-    ``FP8Recipe.kv_cache``) is read as its bytes; the attention is over their dequantized values."""
+    ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache; K with a unit last stride, V with a unit
+    last stride or key-major, a transposed view of ``[b, groups, d, L]`` memory) over keys ``0..pos[0]`` where
+    ``key_ok [b, L]`` is true; returns ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element device tensor (read
+    by the kernel: no host sync, one CUDA graph for every length). An FP8 cache (float8_e4m3fn K/V with
+    ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride, ``FP8Recipe.kv_cache``) is
+    read as its bytes; the attention is over their dequantized values. An FP8 cache or a key-major V runs the
+    key-major kernel (fast with a key-major V: the decoder's FP8 cache), a BF16 cache with V [L, d] the head-major
+    one."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    key_major = fp8 or (v_cache.stride(2) == 1 and L > 1)
     if (H % G or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != D
-            or key_ok.shape != (b, L) or min(t.stride(-1) for t in (q, k_cache, v_cache)) != 1):
+            or key_ok.shape != (b, L) or q.stride(-1) != 1 or k_cache.stride(-1) != 1
+            or 1 not in (v_cache.stride(-1), v_cache.stride(-2))):
         raise ValueError(f"decode_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
-                         f"k/v {tuple(k_cache.shape)} {tuple(k_cache.stride())}, key_ok {tuple(key_ok.shape)}")
+                         f"k/v {tuple(k_cache.shape)} {tuple(k_cache.stride())} {tuple(v_cache.stride())}, "
+                         f"key_ok {tuple(key_ok.shape)}")
     if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride() != v_scale.stride()
                 or k_scale.stride(-1) != 1):
         raise ValueError("decode_attention: an FP8 KV cache needs k_scale/v_scale [b, groups, L] with equal strides "
                          "and a unit last one")
-    if not fp8:
-        k_scale = v_scale = q  # unused (KV_FP8 off)
     out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     hpg = H // G
-    block_h, block_d = max(16, triton.next_power_of_2(hpg)), max(16, triton.next_power_of_2(D))
+    block_d = max(16, triton.next_power_of_2(D))
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
     splits = max(1, int(splits))
     if splits > 1:
@@ -177,15 +300,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ml = torch.empty((b, H, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part = ml = out
-    _decode_attn_kernel[(b, G, splits)](
-        q, k_cache, v_cache, k_scale, v_scale, ok, pos, out, part, ml, float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_scale.stride(0) if fp8 else 0,
-        k_scale.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
-        HPG=hpg, D=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
-        IEEE=q.dtype == torch.float32, KV_FP8=fp8, F16=fp8 and q.dtype != torch.float32,
-        num_warps=num_warps)
+    common = dict(D=D, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
+                  IEEE=q.dtype == torch.float32, num_warps=num_warps)
+    if key_major:  # the query heads as the MMA's narrow side: 8 for up to 8 heads per group (tensor cores pad less)
+        ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused without KV_FP8
+        _decode_attn_keys_kernel[(b, G, splits)](
+            q, k_cache, v_cache, ks, vs, ok, pos, out, part, ml, float(scale) * LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+            ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
+            HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n), KV_FP8=fp8,
+            F16=fp8 and q.dtype != torch.float32,
+            **common)
+    else:
+        _decode_attn_kernel[(b, G, splits)](
+            q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ok.stride(0), out.stride(0), out.stride(1),
+            HPG=hpg, BLOCK_H=max(16, triton.next_power_of_2(hpg)), **common)
     if splits > 1:
         _merge_kernel[(b, H)](part, ml, out, out.stride(0), out.stride(1), H, D=D, BLOCK_D=block_d, SPLIT=splits,
-                              BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+                              BLOCK_S=triton.next_power_of_2(splits), BASE2=key_major, num_warps=4)
     return out

@@ -173,12 +173,18 @@ class StaticDecoder:
             # stages and at least two key splits (the fastest plan at 64 x 4K keys on the H200: docs/benchmarks.md)
             self.attn_plan = (64, 2, 4)
             if self.kv_recipe is not None:
-                self.attn_plan = (128, 3, 4)
+                self.attn_plan = (128, 2, 4)
                 self.attn_splits = attn_splits or max(2, self.attn_splits)
         nl, dev = len(self.layers), self.device
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=kv_dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
+        # an FP8 cache read by the key-major decode attention keeps V key-major ([d, L] memory, a [L, d] view): the
+        # P.V product's operand tiles are then contiguous (kernels/decode_attn.py)
+        self.v_key_major = self.kv_recipe is not None and self.triton_attn and not exact
+        if self.v_key_major:
+            self.v = torch.zeros(nl, batch, self.groups, self.dim, max_len, dtype=kv_dtype, device=dev).transpose(3, 4)
+        else:
+            self.v = torch.zeros_like(self.k)
         # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] fp32); None with a BF16 cache
         self.ks = self.vs = None
         if self.kv_recipe is not None:
