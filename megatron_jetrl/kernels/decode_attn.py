@@ -127,7 +127,8 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
                                                      SPLIT)
     if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
-        # kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16 above 2^-14
+        # head-major kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16
+        # above 2^-14
         q = q.to(tl.float16)
     qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # whole tiles below hi; [full, hi) is the tail
