@@ -18,8 +18,8 @@ def test_smollm_shape_trains_in_jet_with_bf16_attention_over_a_fleet(tmp_path):
     """A SmolLM-shaped llama (q/k/v rows 576/192/192) trains two steps in jet on a `jetrl serve` fleet: q/k/v in
     BF16 on both sides, o_proj (K = 576: a partial last 128-group) and the MLP in FP8; the weights the servers load
     list exactly the q/k/v projections beside the recipe's usual BF16 modules in modules_to_not_convert; the
-    rollout samples from the trainer's own bytes (mismatch ~0, checksums equal); SGLang's own parser skips
-    quantizing qkv_proj and quantizes gate_up_proj."""
+    rollout samples from the trainer's own bytes (checksums equal, mismatch 10x below a server on other bytes);
+    SGLang's own parser skips quantizing qkv_proj and quantizes gate_up_proj."""
     from megatron_jetrl.models.hf_io import HFCheckpoint
     from megatron_jetrl.precision.quant import dequantize_blocks
     from megatron_jetrl.precision.recipe import HF_MODULES_NOT_CONVERTED
@@ -36,7 +36,10 @@ def test_smollm_shape_trains_in_jet_with_bf16_attention_over_a_fleet(tmp_path):
     assert "2 linears stay BF16" in out.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["is_rl"] == 1.0]
-    assert all(r["mismatch_abs_mean"] < 1e-4 and r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)
+    # the trainer's bytes on both sides: the servers' logprobs differ from the trainer's in last bits only, except
+    # where jet's activation quantizer turns such a bit into an E4M3 step (on a CPU with AVX-512/AMX: 3e-4 at the
+    # second step, 2e-7 with the in-process engine); a server holding other bytes (fp8_rollout) is at ~1e-2
+    assert all(r["mismatch_abs_mean"] < 1e-3 and r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)
 
     pushed = run / "rollout" / "weights"
     qc = json.loads((pushed / "config.json").read_text())["quantization_config"]
