@@ -17,6 +17,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, seed: int | None = None) -> int:
+    """The first of ``n`` consecutive TCP ports free on this host right now, below the kernel's ephemeral range (a
+    server fleet's ports: no socket another process binds to port 0 can take one of them before the servers
+    start, as it can take a :func:`free_port`)."""
+    import random
+
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(seed)
+    for _ in range(200):
+        base = rng.randrange(10000, max(10001, low - n))
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"free_ports: no {n} consecutive free ports below {low}")
+
+
 def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Initialize torch.distributed from the torchrun environment (or as a single process) and
     megatron-core's TP/PP/EP/DP groups. On a CPU-only machine installs ``platform``'s redirections."""

@@ -233,13 +233,14 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     """Without --dry-run on one 2-"GPU" CPU node: `jetrl serve` rollout servers in the background
     (waiting for the trainer's initial FP8 weights), torchrun with 2 trainer ranks (DP=2, colocated,
     offload), weights pushed over the broadcast group with FP8 parity, servers stopped at the end."""
-    from megatron_jetrl.distributed import free_port
+    from megatron_jetrl.distributed import free_ports
 
     env = dict(os.environ, PYTHONPATH=REPO)
     run = tmp_path / "run"
+    base = free_ports(3)  # two servers, then the rendezvous; none an ephemeral port gloo's sockets could take first
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "tiny", "--nodes", "1",
-                          "--gpus-per-node", "2", "--hosts", "127.0.0.1", "--server-base-port", str(free_port()),
-                          "--rdzv-port", str(free_port()), "--run-dir", str(run), "--seq-len", "64", "--concurrency", "4",
+                          "--gpus-per-node", "2", "--hosts", "127.0.0.1", "--server-base-port", str(base),
+                          "--rdzv-port", str(base + 2), "--run-dir", str(run), "--seq-len", "64", "--concurrency", "4",
                           "rollout.engine=serve", "steps=2", "algo.sft_warmup_steps=1", "rollout.prompts_per_step=2"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
