@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_jetrl.rollout.base import SamplingParams
-from megatron_jetrl.distributed import free_port
+from megatron_jetrl.distributed import free_ports
 from megatron_jetrl.rollout.sglang import SGLangClient, ServerError
 from tests.hf_models import make_fp8_dir, make_hf_model
 
@@ -32,7 +32,7 @@ def fp8_dir(tmp_path_factory):
 
 
 def _serve(model_dir, log_path, *extra, port=None):
-    port = port or free_port()
+    port = port or free_ports(1)
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_jetrl.cli", "serve", "--model-path", model_dir,
                              "--port", str(port), "--params-dtype", "fp32", *extra],

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megatron_jetrl.env import snapshot
-from megatron_jetrl.distributed import free_port
+from megatron_jetrl.distributed import free_port, free_ports
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
 from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, compare
@@ -407,8 +407,11 @@ class RolloutFleet:
             self.servers = [Server(SGLangClient(a, r.request_timeout_s, r.admin_api_key), tp=r.server_tp)
                             for a in r.server_addresses]
         else:
+            # the servers' and the router's ports: consecutive, free, below the ephemeral range (no other process's
+            # automatic bind takes one before its server binds it)
+            base = free_ports(r.num_servers + 1)
             for i in range(r.num_servers):
-                port = free_port()
+                port = base + i
                 if r.engine == "sglang":
                     cmd = [sys.executable, "-m", "sglang.launch_server",
                            *sglang_server_argv(cfg, recipe, model_dir, port,
@@ -418,7 +421,9 @@ class RolloutFleet:
                 self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, r.admin_api_key),
                                            cmd, os.path.join(run_dir, "rollout_logs", f"server{i}.log"),
                                            tp=r.server_tp if r.engine == "sglang" else 1))
-        self.router: Optional[Server] = self._router(free_port()) if r.router else None
+        self.router: Optional[Server] = None
+        if r.router:
+            self.router = self._router(base + r.num_servers if not r.server_addresses else free_ports(1))
 
     def _router(self, port: int) -> Server:
         r = self.cfg.rollout
@@ -438,7 +443,7 @@ class RolloutFleet:
                     raise
                 log.warning("router port %s was taken before the router bound it; starting it on another port",
                             self.router.client.url)
-                self.router = self._router(free_port())
+                self.router = self._router(free_ports(1))
 
     # -- lifecycle
     def start(self) -> None:
