@@ -30,8 +30,8 @@ MMA's 16 rows; compiled for sm_90a (``python tools/kernel_sass.py decode-attn``)
 warp-instructions per key at 255 registers (2 programs per SM). The key-major kernel computes S^T = K q^T and
 O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands, both contiguous along the reduction axis (wide
 loads, one E4M3 -> fp16 conversion per pair), the query heads are the narrow side (8), the loop's tiles are whole
-(unmasked loads) and a split's last keys run in masked 32-key tiles: 15.5 warp-instructions per key at 128
-registers (4 programs per SM), per KV byte what the BF16 kernel issues (0.058 vs 0.062). Numerics: K and V tiles
+(unmasked loads) and a split's last keys run in masked 32-key tiles: 15.5 warp-instructions per key at 127
+registers (4 programs per SM), per KV byte what the BF16 kernel issues (0.059 vs 0.062). Numerics: K and V tiles
 converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and
 the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax
 weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and
@@ -110,7 +110,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
-               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, False)
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT)
 
 
 @triton.jit
@@ -147,8 +147,8 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
                                    acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, TAIL_N, True, IEEE, KV_FP8, F16)
     if F16:
         acc = acc * (1.0 / P_F16)
-    _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
-               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, True)
+    _store_out(tl.trans(acc), l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT)
 
 
 @triton.jit
@@ -209,26 +209,16 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, m_i, l_i, ac
 
 @triton.jit
 def _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h, H, s,
-               BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A program's result: with one split the output ``acc / l`` ([heads, d]; ``TRANSPOSED``: acc is [d, heads]),
-    with several its unnormalized fp32 partial [B, H, SPLIT, BLOCK_D] and (max, sum) [B, H, SPLIT, 2] for
-    :func:`_merge_kernel`."""
-    row = (b * H + heads) * SPLIT + s
-    if TRANSPOSED:
-        mask = dm[:, None] & hm[None, :]
-        if SPLIT == 1:
-            out = acc / l_i[None, :]
-            tl.store(o_ptr + b * so_b + heads[None, :] * so_h + dd[:, None], out.to(o_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + row[None, :] * BLOCK_D + dd[:, None], acc, mask=mask)
+               BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's result ``acc [heads, d]``: with one split the output ``acc / l``, with several its unnormalized
+    fp32 partial [B, H, SPLIT, BLOCK_D] and (max, sum) [B, H, SPLIT, 2] for :func:`_merge_kernel`."""
+    mask = hm[:, None] & dm[None, :]
+    if SPLIT == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
     else:
-        mask = hm[:, None] & dm[None, :]
-        if SPLIT == 1:
-            out = acc / l_i[:, None]
-            tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=mask)
-    if SPLIT > 1:
+        row = (b * H + heads) * SPLIT + s
+        tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=mask)
         tl.store(ml_ptr + row * 2, m_i, mask=hm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
 

@@ -169,8 +169,9 @@ class StaticDecoder:
             from megatron_jetrl.kernels.decode_attn import default_splits
 
             self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
-            # (keys per tile, pipeline stages, warps); the FP8 cache's tiles are half the bytes: twice the keys, three
-            # stages and at least two key splits (the fastest plan at 64 x 4K keys on the H200: docs/benchmarks.md)
+            # (keys per tile, pipeline stages, warps); the FP8 cache (the key-major kernel): twice the keys per tile,
+            # two stages, 127 registers (4 programs per SM; tools/kernel_sass.py), and at least two key splits (the
+            # fastest with the head-major kernel at 64 x 4K keys on the H200: docs/benchmarks.md)
             self.attn_plan = (64, 2, 4)
             if self.kv_recipe is not None:
                 self.attn_plan = (128, 2, 4)
