@@ -17,7 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_ports(n: int, seed: int | None = None) -> int:
+def free_ports(n: int) -> int:
     """The first of ``n`` consecutive TCP ports free on this host right now, below the kernel's ephemeral range (a
     server fleet's ports: no socket another process binds to port 0 can take one of them before the servers
     start, as it can take a :func:`free_port`)."""
@@ -29,9 +29,8 @@ def free_ports(n: int, seed: int | None = None) -> int:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         pass
-    rng = random.Random(seed)
     for _ in range(200):
-        base = rng.randrange(10000, max(10001, low - n))
+        base = random.randrange(10000, max(10001, low - n))
         socks = []
         try:
             for port in range(base, base + n):

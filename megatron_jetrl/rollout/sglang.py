@@ -403,13 +403,14 @@ class RolloutFleet:
         self.lock = threading.Lock()
         r = cfg.rollout
         self.servers: list[Server] = []
+        # the ports of the servers this fleet starts, then the router's: consecutive, free, below the ephemeral range
+        # (no other process's automatic bind takes one before its server binds it)
+        owned = 0 if r.server_addresses else r.num_servers
+        base = free_ports(owned + 1)
         if r.server_addresses:
             self.servers = [Server(SGLangClient(a, r.request_timeout_s, r.admin_api_key), tp=r.server_tp)
                             for a in r.server_addresses]
         else:
-            # the servers' and the router's ports: consecutive, free, below the ephemeral range (no other process's
-            # automatic bind takes one before its server binds it)
-            base = free_ports(r.num_servers + 1)
             for i in range(r.num_servers):
                 port = base + i
                 if r.engine == "sglang":
@@ -421,9 +422,7 @@ class RolloutFleet:
                 self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, r.admin_api_key),
                                            cmd, os.path.join(run_dir, "rollout_logs", f"server{i}.log"),
                                            tp=r.server_tp if r.engine == "sglang" else 1))
-        self.router: Optional[Server] = None
-        if r.router:
-            self.router = self._router(base + r.num_servers if not r.server_addresses else free_ports(1))
+        self.router: Optional[Server] = self._router(base + owned) if r.router else None
 
     def _router(self, port: int) -> Server:
         r = self.cfg.rollout
