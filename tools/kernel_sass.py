@@ -57,29 +57,18 @@ def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: i
 def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2):
     """The decode attention for sm_90a: 4 query heads per KV group, head dim 128; ``kv`` bf16 (the head-major
     kernel over a [L, d] cache) or fp8 (the key-major kernel over the decoder's FP8 cache, V stored [d, L])."""
-    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
-    ptrs = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ok_ptr": "*u8", "pos_ptr": "*i64", "o_ptr": "*bf16",
-            "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
-    names = ["sq_b", "sq_h", "sk_b", "sk_g", "sk_l", "sv_b", "sv_g", "sv_l", "sok_b", "so_b", "so_h"]
-    consts = {"HPG": 4, "D": 128, "BLOCK_H": 16, "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
+    fp8 = kv == "fp8"
+    kernel = _decode_attn_keys_kernel if fp8 else _decode_attn_kernel
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+             "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32",
+             "qk_scale": "fp32"}  # every other argument: an i32 stride
+    consts = {"HPG": 4, "D": 128, "BLOCK_H": 8 if fp8 else 16, "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
               "NUM_STAGES": stages, "IEEE": False}
-    kernel = _decode_attn_kernel
-    if kv == "fp8":
-        kernel = _decode_attn_keys_kernel
-        ptrs = {**{k: v for k, v in ptrs.items() if k != "scale"}, "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
-        ptrs = {k: ptrs[k] for k in ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "ok_ptr", "pos_ptr", "o_ptr",
-                                     "part_ptr", "ml_ptr")} | {"qk_scale": "fp32"}
-        names = names[:7] + ["sv_l", "sv_d", "ss_b", "ss_g"] + names[8:]
-        consts.update(BLOCK_H=8, TAIL_N=TAIL_N, KV_FP8=True, F16=True)
-    strides = {n: "i32" for n in names}
-    sig = {**ptrs, **strides, **{c: "constexpr" for c in consts}}
-    divisible = _divisible(sig)
-    if kv == "fp8":  # V stored [d, L]: its key stride is 1 (Triton specializes a 1 as a constant)
-        i = list(sig).index("sv_l")
-        sig["sv_l"] = "constexpr"
-        consts["sv_l"] = 1
-        divisible.pop((i,), None)
-    return triton.compile(ASTSource(kernel, sig, consts, divisible), target=SM90_TARGET,
+    if fp8:  # V stored [d, L]: its key stride is 1 (Triton specializes a 1 as a constant)
+        consts.update(TAIL_N=TAIL_N, KV_FP8=True, F16=True, sv_l=1)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
                           options={"num_warps": warps})
 
 
