@@ -176,13 +176,45 @@ def deepgemm_or_skip():
     return deepgemm
 
 
+# Prepended to every interpreted program: the interpreter's ``tl.dot`` with a tensor-core MMA's row property, a row's
+# output bits a function of that row and the other operand alone (each row is its own one-row product). The
+# interpreter calls the host BLAS's ``matmul`` on the whole tile, whose kernels may round a row by where it sits in
+# the tile (OpenBLAS's Haswell/Zen kernels do: a row moved to another place in a 16-row tile changes its last bits);
+# the exact-mode kernels' tests compare a decode step's one-query tile with the training forward's many-query tile
+# bit for bit.
+_INTERPRETER_DOT = """
+import numpy as _numpy, types as _types
+import triton.runtime.interpreter as _interpreter
+
+
+def _row_by_row_matmul(a, b, dtype=None):
+    dt = _numpy.dtype(dtype) if dtype is not None else _numpy.result_type(a, b)
+    a, b = a.astype(dt), b.astype(dt)
+    out = _numpy.zeros(a.shape[:-1] + b.shape[-1:], dt)  # a zero row (a masked one): +0, as an MMA gives it
+    for i in zip(*_numpy.nonzero(a.any(axis=-1))):
+        out[i] = _numpy.matmul(a[i][None], b if b.ndim == 2 else b[i[:-1]])[0]
+    return out
+
+
+class _Numpy(_types.ModuleType):
+    def __getattr__(self, name):  # numpy's lazily loaded names
+        return getattr(_numpy, name)
+
+
+_np = _Numpy("numpy")
+_np.__dict__.update(vars(_numpy), matmul=_row_by_row_matmul)
+_interpreter.np = _np
+"""
+
+
 def run_interpreted(code: str, *args: str, cwd: str | None = None) -> None:
     """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
-    Triton is imported, hence a subprocess); it passes when it exits 0 after printing ``ok``."""
+    Triton is imported, hence a subprocess), its dots row by row (``_INTERPRETER_DOT``); it passes
+    when it exits 0 after printing ``ok``."""
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=cwd)
+    out = subprocess.run([sys.executable, "-c", _INTERPRETER_DOT + code, *args], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=cwd)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -490,16 +490,17 @@ def test_exact_mode_kernels_under_the_interpreter():
     interpreter, fp32 (its BF16 is not the GPU's): the attention of a query decoded over a left-padded cache
     (keys from the row's first token; stale values around it) is the bytes of the same query in the training call
     over the whole sequence, at and around the 64-key block edges, and in a prefill whose tiles are not the
-    training call's; the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales give the bytes of the
-    dequantized values. The GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at
-    1-129 rows (one program per K segment) are those of the 300-row call with the segments summed in the program
-    (also in a plan whose column tiles span several weight blocks), and the product is the reference's to fp32
-    rounding. Autograd: the exact linear's gradients are the plain linear's (with ``fuse_accum`` the weight's lands in
-    ``main_grad`` under megatron's protocol), the exact attention's forward is the kernel's and its gradients are
-    SDPA's."""
+    training call's, and in the trainer's 32-row tiles (``TRAIN_PLAN``: rows of 8 positions where the decoder's
+    hold 1; the interpreter's dots row by row, as an MMA's rows are); the training call equals SDPA to 1e-5; an
+    FP8 cache's bytes and scales give the bytes of the dequantized values. The GEMMs (BF16 and block FP8, row- or
+    column-major activation scales): a row's bytes at 1-129 rows (one program per K segment) are those of the
+    300-row call with the segments summed in the program (also in a plan whose column tiles span several weight
+    blocks), and the product is the reference's to fp32 rounding. Autograd: the exact linear's gradients are the plain
+    linear's (with ``fuse_accum`` the weight's lands in ``main_grad`` under megatron's protocol), the exact attention's
+    forward is the kernel's and its gradients are SDPA's."""
     code = r'''
 import torch, torch.nn.functional as F
-from megatron_jetrl.kernels.exact_attn import exact_attention
+from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm, segments
 from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, dequantize_kv, quantize_act,
                                             quantize_kv, quantize_weight)
@@ -512,6 +513,8 @@ train = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0
 ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
                                      scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3).reshape(S, b, H * D)
 assert (train - ref).abs().max() < 1e-5, (train - ref).abs().max()
+assert torch.equal(exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1],
+                                   plan=TRAIN_PLAN), train)  # the trainer's 32-row tiles: the decoder's bits
 pads = torch.tensor([0, 5, 60])
 kc, vc = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
 for r in range(b):

@@ -172,9 +172,7 @@ class ExactAttention(torch.autograd.Function):
         s, b = q.shape[:2]
         zero = torch.zeros(b, dtype=torch.int64, device=q.device)
         kb, ks, vb, vs = kv8 if kv8 is not None else (k.permute(1, 2, 0, 3), None, v.permute(1, 2, 0, 3), None)
-        # (Triton's CPU interpreter runs a tile's dots on the host's BLAS, whose sums change with the tile's rows: there
-        # the decoder's plan)
-        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN if q.is_cuda else None)
+        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         return out
