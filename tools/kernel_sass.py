@@ -11,11 +11,15 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   key-major one over the decoder's FP8 cache) at the 8B model's shapes (4 query heads per KV group, head dim 128),
   plans ``kv:BLOCK_N:warps:stages``; also warp-instructions per key and per KV byte, the measure of an issue-bound
   decode kernel.
+- ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
+  shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
+  trainer's eight); per key and per KV byte as above, for one program's rows.
 
 The compiler is the Triton this Python imports; the H200 image runs Triton 3.6, whose wheel compiles the same code
 on any machine (``PYTHONPATH=<unpacked triton-3.6.0 wheel> python tools/kernel_sass.py ...``).
 
-Usage: python tools/kernel_sass.py gemm [--plans ...] | decode-attn [--plans bf16:64:4:2,fp8:128:4:3,...]"""
+Usage: python tools/kernel_sass.py gemm [--plans ...] | decode-attn [--plans bf16:64:4:2,fp8:128:4:3,...]
+       | exact-attn [--plans fp8:64:4:2:16,...]"""
 from __future__ import annotations
 
 import argparse
@@ -30,10 +34,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_jetrl.kernels.decode_attn import TAIL_N, _decode_attn_keys_kernel, _decode_attn_kernel
+from megatron_jetrl.kernels.exact_attn import _exact_attn_kernel
 from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
 ATTN_PLANS = "bf16:64:4:2,fp8:128:4:2,fp8:128:4:3,fp8:64:4:2,fp8:256:4:2"
+EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,bf16:64:4:2:32,fp8:64:4:2:32"
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -70,6 +76,18 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
                           options={"num_warps": warps})
+
+
+def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int):
+    """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
+    ``kv`` bf16 or fp8 (the cache's bytes and scales, dequantized in registers)."""
+    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+             "k0_ptr": "*i64", "q0_ptr": "*i64", "qk_scale": "fp32"}  # every other argument: an i32
+    consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8", "IEEE": False}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _exact_attn_kernel.arg_names}
+    return triton.compile(ASTSource(_exact_attn_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def _divisible(sig: dict) -> dict:
@@ -135,12 +153,15 @@ def gemm_plan(plan: str) -> tuple[collections.Counter, list[str], int]:
     return (*loop_mix(k), k.metadata.shared)
 
 
-def decode_attn_plan(plan: str) -> dict:
-    """``kv:BLOCK_N:warps:stages`` -> the main loop (``loop``: its SASS lines, ``mix``: opcode counts per iteration),
-    ``regs``, ``shared`` bytes, ``programs`` per SM, warp-instructions ``per_key`` and ``per_byte`` of K and V (with
-    the FP8 cache's scales)."""
-    kv, block_n, warps, stages = plan.split(":")
-    k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
+def decode_attn_plan(plan: str, exact: bool = False) -> dict:
+    """``kv:BLOCK_N:warps:stages`` (``exact``: ``...:rows``, exact mode's kernel) -> the main loop (``loop``: its SASS
+    lines, ``mix``: opcode counts per iteration), ``regs``, ``shared`` bytes, ``programs`` per SM, warp-instructions
+    ``per_key`` and ``per_byte`` of K and V (with the FP8 cache's scales)."""
+    kv, block_n, warps, stages, *rows = plan.split(":")
+    if exact:
+        k = compile_exact_attn(kv, int(block_n), int(warps), int(stages), int(rows[0]))
+    else:
+        k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
     loop = main_loop(k)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
     per_key = sum(mix.values()) * int(warps) / int(block_n)
@@ -153,10 +174,11 @@ def decode_attn_plan(plan: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["gemm", "decode-attn"])
+    ap.add_argument("kernel", choices=["gemm", "decode-attn", "exact-attn"])
     ap.add_argument("--plans")
     a = ap.parse_args()
-    for plan in (a.plans or (PLANS if a.kernel == "gemm" else ATTN_PLANS)).split(","):
+    default = {"gemm": PLANS, "decode-attn": ATTN_PLANS, "exact-attn": EXACT_ATTN_PLANS}[a.kernel]
+    for plan in (a.plans or default).split(","):
         if a.kernel == "gemm":
             kind, ss, block_m, block_n, warps, stages = plan.split(":")
             k = compile_gemm(kind == "fp8", ss == "1", int(block_m), int(block_n), int(warps), int(stages))
@@ -164,7 +186,7 @@ def main() -> None:
             head = f"{regs} registers, shared {shared} B, {programs_per_sm(regs, int(warps), shared)} programs/SM"
             extra = ""
         else:
-            r = decode_attn_plan(plan)
+            r = decode_attn_plan(plan, a.kernel == "exact-attn")
             mix, waits = r["mix"], []
             head = f"{r['regs']} registers, shared {r['shared']} B, {r['programs']} programs/SM"
             extra = f"; {r['per_key']:.1f} warp-instructions per key, {r['per_byte']:.3f} per KV byte"
