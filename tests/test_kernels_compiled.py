@@ -50,3 +50,22 @@ def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
     assert fp8["mix"]["F2FP"] <= 1.1 * 128, fp8["mix"]
     assert not any("LDS.U8" in ln for ln in fp8["loop"]), [ln for ln in fp8["loop"] if "LDS.U8" in ln][:3]
     assert not (fp8["mix"]["LDL"] or fp8["mix"]["STL"]), fp8["mix"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_exact_attention_plans_of_decoder_and_trainer_run_one_tensor_core_instruction(kv):
+    """Exact mode's attention gives a query the same bits in the decoder's tile (one position, 16 query rows) and the
+    trainer's (``TRAIN_PLAN``: eight positions, 32 rows) because both compile to the same warp-level MMA (mma.sync:
+    a row's products summed by the same instruction chain whatever the tile's other rows), measured equal on the
+    H200; 64 rows per program compile to warpgroup MMAs (wgmma), which gave other bits. The plans of the decoder
+    and the trainer must stay below that switch."""
+    from megatron_jetrl.kernels.exact_attn import BLOCK_N, NUM_STAGES, NUM_WARPS, TRAIN_PLAN, tile_rows
+
+    ks = _kernel_sass()
+    block_n, warps, stages, rows = TRAIN_PLAN
+    decoder = ks.decode_attn_plan(f"{kv}:{BLOCK_N}:{NUM_WARPS}:{NUM_STAGES}:{tile_rows(4)}", exact=True)["mix"]
+    trainer = ks.decode_attn_plan(f"{kv}:{block_n}:{warps}:{stages}:{rows}", exact=True)["mix"]
+    wide = ks.decode_attn_plan(f"{kv}:{block_n}:{warps}:{stages}:64", exact=True)["mix"]
+    for name, mix in (("decoder", decoder), ("trainer", trainer)):
+        assert mix["HMMA"] and not mix["HGMMA"], (name, mix)
+    assert wide["HGMMA"] and not wide["HMMA"], wide
