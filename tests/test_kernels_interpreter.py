@@ -492,7 +492,8 @@ def test_exact_mode_kernels_under_the_interpreter():
     over the whole sequence, at and around the 64-key block edges, and in a prefill whose tiles are not the
     training call's, and in the trainer's 32-row tiles (``TRAIN_PLAN``: rows of 8 positions where the decoder's
     hold 1; the interpreter's dots row by row, as an MMA's rows are); the training call equals SDPA to 1e-5; an
-    FP8 cache's bytes and scales give the bytes of the dequantized values. The GEMMs (BF16 and block FP8, row- or
+    FP8 cache's bytes and scales give the bytes of the dequantized values (fp32; with a 16-bit q, the GPU's fp16 form,
+    their attention to fp16 rounding, and a decoded query the trainer's call's bytes). The GEMMs (BF16 and block FP8, row- or
     column-major activation scales): a row's bytes at 1-129 rows (one program per K segment) are those of the
     300-row call with the segments summed in the program (also in a plan whose column tiles span several weight
     blocks), and the product is the reference's to fp32 rounding. Autograd: the exact linear's gradients are the plain
@@ -532,6 +533,19 @@ o8 = exact_attention(q[:, :2], kq[:2], vq[:2], D ** -0.5, pads[:2], zero[:1], ks
 od = exact_attention(q[:, :2], dequantize_kv(kq[:2], ks[:2], torch.float32), dequantize_kv(vq[:2], vs[:2], torch.float32),
                      D ** -0.5, pads[:2], zero[:1])
 assert torch.equal(o8, od)
+# the GPU's form of the FP8 variant (a 16-bit q: fp16 tensor cores, the scales on scores and weights): the dequantized
+# values' attention to fp16 rounding, and a query decoded over the left-padded cache has the bytes of the trainer's
+# call over the sequence's own bytes (32-row tiles)
+q16 = q.half()
+assert (exact_attention(q16[:, :2], kq[:2], vq[:2], D ** -0.5, pads[:2], zero[:1], ks[:2], vs[:2]).float()
+        - o8).abs().max() < 1e-2
+(kt8, kts), (vt8, vts) = quantize_kv(k.permute(1, 2, 0, 3), rec), quantize_kv(v.permute(1, 2, 0, 3), rec)
+train16 = exact_attention(q16, kt8, vt8, D ** -0.5, zero, zero[:1], kts, vts, plan=TRAIN_PLAN)
+for i in (0, 63, 64, S - 1):
+    for r in range(b):
+        out = exact_attention(q16[i:i + 1, r:r + 1], kq[r:r + 1], vq[r:r + 1], D ** -0.5, pads[r:r + 1],
+                              pads[r:r + 1] + i, ks[r:r + 1], vs[r:r + 1])
+        assert torch.equal(out.view(-1), train16[i, r]), (i, r)
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4

@@ -84,7 +84,8 @@ def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
              "k0_ptr": "*i64", "q0_ptr": "*i64", "qk_scale": "fp32"}  # every other argument: an i32
-    consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8", "IEEE": False}
+    consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8",
+              "F16": kv == "fp8", "IEEE": False}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _exact_attn_kernel.arg_names}
     return triton.compile(ASTSource(_exact_attn_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
                           options={"num_warps": warps, "num_stages": stages})

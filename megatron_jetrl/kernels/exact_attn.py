@@ -22,8 +22,12 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   the trainer's 32-row tiles give a row the same bits is a property of the tensor-core instruction both compile to,
   measured on the H200 (tools/exact_bench.py, tests/test_gpu_exact.py); 64 rows compile to another one (wgmma) and
   change the bits;
-- an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales and
-  dequantized to the model dtype in registers (exact); the trainer hands the kernel the same bytes and scales
+- an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales: the bytes
+  converted to fp16 (exact; one instruction per pair) for fp16 tensor cores with q converted once (exact above
+  2^-14), a key's scale (times ``scale * log2(e)``) multiplying its fp32 score and a value's scale (times ``P_F16``,
+  divided out at the end: fp16's normal range) its softmax weight before the weight's rounding, as the key-major
+  decode kernel does; powers of two, so the scales round nothing. With fp32 inputs (the CPU tests) the result is
+  the kernel's over the dequantized values bit for bit. The trainer hands the kernel the same bytes and scales
   (the recipe's KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
@@ -39,6 +43,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from megatron_jetrl.kernels.decode_attn import P_F16
+
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -48,7 +54,7 @@ NUM_STAGES = 2
 def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_ptr, S, L, qk_scale,
                        sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, so_s, so_b, so_h,
                        HPG: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     g = tl.program_id(2).to(tl.int64)
@@ -64,6 +70,8 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_pt
     qpos = q0 + qi
     q = tl.load(q_ptr + qi.to(tl.int64)[:, None] * sq_s + b * sq_b + head[:, None] * sq_h + dd[None, :],
                 mask=rm[:, None] & dm[None, :], other=0.0)
+    if F16:  # the FP8 cache on fp16 tensor cores (E4M3 -> fp16: one instruction per pair); q exact in fp16 above 2^-14
+        q = q.to(tl.float16)
     last = q0 + tl.minimum(t * P + P, S) - 1  # the tile's last query position
     nblocks = tl.cdiv(tl.maximum(last - k0 + 1, 0), BLOCK_N).to(tl.int32)
     m_i = tl.full([R], -1.0e30, tl.float32)
@@ -79,25 +87,34 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_pt
         kk = keys.to(tl.int64)
         kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
         vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        if KV_FP8:  # e4m3 * 2^e: exact in the model's dtype, the values the trainer's attention receives
-            kt = (kt.to(tl.float32) * tl.load(ks_ptr + s_row + kk, mask=km, other=0.0)[:, None]).to(q.dtype)
-            vt = (vt.to(tl.float32) * tl.load(vs_ptr + s_row + kk, mask=km, other=0.0)[:, None]).to(q.dtype)
+        if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
+            kt = kt.to(q.dtype)
+            vt = vt.to(q.dtype)
+            kscale = tl.load(ks_ptr + s_row + kk, mask=km, other=1.0) * qk_scale
         if IEEE:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
         else:
             sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
         ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
-        sc = tl.where(ok, sc * qk_scale, float("-inf"))
+        if KV_FP8:
+            sc = sc * kscale[None, :]
+        else:
+            sc = sc * qk_scale
+        sc = tl.where(ok, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:  # the value's scale (times P_F16 on fp16, inside its normal range) on its weight
+            p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
         if IEEE:
             pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
         else:
             pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if F16:
+        acc = acc * (1.0 / P_F16)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # l >= 1 for a row with a key; a pad query (no key) gets 0
     tl.store(o_ptr + qi.to(tl.int64)[:, None] * so_s + b * so_b + head[:, None] * so_h + dd[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -154,7 +171,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         v.stride(0), v.stride(1), v.stride(2), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         o.stride(0), o.stride(1), o.stride(2),
         HPG=hpg, R=R, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, KV_FP8=fp8,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        F16=fp8 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out
 
 
