@@ -1,8 +1,9 @@
 """Exact mode's kernels (``precision.exact``) beside the default ones on this GPU, at the 8B model's shapes, timed as
 CUDA-graph replays, side by side in one run: the block-FP8 GEMM (cuBLAS's ``scaled_mm`` and the small-M decode GEMM vs
 ``kernels/exact_gemm.py`` in each ``--gemm-configs`` plan) at the decoder's rows and a training micro-batch's, the
-BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``)
-and a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel). Each exact plan says whether its
+BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``),
+a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel) and a long-context decode step's over
+the FP8 KV cache (the key-major decode kernel vs the exact kernel). Each exact plan says whether its
 output has the first plan's bytes (the decoder and the trainer may run different plans only where they do).
 Usage: python tools/exact_bench.py [--rows 64,4608] [--gemm-configs 64:128:4:4,...] [--json F]"""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron_jetrl.kernels.exact_attn import exact_attention
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm
 from megatron_jetrl.kernels.triton_gemm import small_m_linear
 from megatron_jetrl.precision.gemm import block_gemm
-from megatron_jetrl.precision.quant import quantize_act, quantize_weight
+from megatron_jetrl.precision.quant import quantize_act, quantize_kv, quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "fc1": (28672, 4096), "fc2": (4096, 14336)}
@@ -115,6 +116,21 @@ def main() -> None:
     for p in plans[:1] + [(bn, w, st, 16) for bn, w, st in ((64, 4, 3), (128, 4, 3), (64, 8, 2), (32, 4, 4))]:
         add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
             q, kc, vc, D ** -0.5, zero, pos, plan=p)), None, nbytes)
+    # decode step over the FP8 KV cache at a long context, 64 rows x 4,096 keys: the default mode's key-major kernel
+    # (V key-major, the decoder's plan) vs the exact kernel (V [L, d]) in the decoder's plan and other stage counts
+    n, L = 4096, 4160
+    rec = FP8Recipe(kv_cache="fp8")
+    (kq, ks), (vq, vs) = (quantize_kv(torch.randn(B, G, L, D, device=dev, generator=g).bfloat16(), rec)
+                          for _ in range(2))
+    vq_km = vq.transpose(-1, -2).contiguous().transpose(-1, -2)
+    ok = torch.ones(B, L, dtype=torch.bool, device=dev)
+    pos = torch.tensor([n - 1], device=dev)
+    nbytes = 2 * B * G * n * (D + 4)
+    add("attn_decode_fp8kv", f"{B}x{n}", "triton key-major", time_graph_ms(lambda: decode_attention(
+        q[0], kq, vq_km, ok, pos, D ** -0.5, max(2, default_splits(B, G, L, dev)), 128, 2, 4, ks, vs)), None, nbytes)
+    for p in plans[:1] + [(64, 4, 1, 16), (64, 4, 3, 16)]:
+        add("attn_decode_fp8kv", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
+            q, kq, vq, D ** -0.5, zero, pos, ks, vs, plan=p)), None, nbytes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
