@@ -9,8 +9,8 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   the fp32 work per group is the promotion's cost.
 - ``decode-attn``: the decode attention (``kernels/decode_attn.py``: the head-major kernel over a BF16 cache, the
   key-major one over the decoder's FP8 cache) at the 8B model's shapes (4 query heads per KV group, head dim 128),
-  plans ``kv:BLOCK_N:warps:stages``; also warp-instructions per key and per KV byte, the measure of an issue-bound
-  decode kernel.
+  plans ``kv:BLOCK_N:warps:stages[:rows]`` (rows: the query tile's, the decoder's by default); also
+  warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
   trainer's eight); per key and per KV byte as above, for one program's rows.
@@ -60,16 +60,17 @@ def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: i
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2):
+def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2, block_h: int | None = None):
     """The decode attention for sm_90a: 4 query heads per KV group, head dim 128; ``kv`` bf16 (the head-major
-    kernel over a [L, d] cache) or fp8 (the key-major kernel over the decoder's FP8 cache, V stored [d, L])."""
+    kernel over a [L, d] cache) or fp8 (the key-major kernel over the decoder's FP8 cache, V stored [d, L]);
+    ``block_h``: the query tile's rows instead of the decoder's (8 key-major, 16 head-major)."""
     fp8 = kv == "fp8"
     kernel = _decode_attn_keys_kernel if fp8 else _decode_attn_kernel
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
              "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32",
              "qk_scale": "fp32"}  # every other argument: an i32 stride
-    consts = {"HPG": 4, "D": 128, "BLOCK_H": 8 if fp8 else 16, "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
+    consts = {"HPG": 4, "D": 128, "BLOCK_H": block_h or (8 if fp8 else 16), "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
               "NUM_STAGES": stages, "IEEE": False}
     if fp8:  # V stored [d, L]: its key stride is 1 (Triton specializes a 1 as a constant)
         consts.update(TAIL_N=TAIL_N, KV_FP8=True, F16=True, sv_l=1)
@@ -155,14 +156,14 @@ def gemm_plan(plan: str) -> tuple[collections.Counter, list[str], int]:
 
 
 def decode_attn_plan(plan: str, exact: bool = False) -> dict:
-    """``kv:BLOCK_N:warps:stages`` (``exact``: ``...:rows``, exact mode's kernel) -> the main loop (``loop``: its SASS
-    lines, ``mix``: opcode counts per iteration), ``regs``, ``shared`` bytes, ``programs`` per SM, warp-instructions
-    ``per_key`` and ``per_byte`` of K and V (with the FP8 cache's scales)."""
+    """``kv:BLOCK_N:warps:stages[:rows]`` (rows: the query tile's; ``exact``: exact mode's kernel) -> the main loop
+    (``loop``: its SASS lines, ``mix``: opcode counts per iteration), ``regs``, ``shared`` bytes, ``programs`` per SM,
+    warp-instructions ``per_key`` and ``per_byte`` of K and V (with the FP8 cache's scales)."""
     kv, block_n, warps, stages, *rows = plan.split(":")
     if exact:
         k = compile_exact_attn(kv, int(block_n), int(warps), int(stages), int(rows[0]))
     else:
-        k = compile_decode_attn(kv, int(block_n), int(warps), int(stages))
+        k = compile_decode_attn(kv, int(block_n), int(warps), int(stages), block_h=int(rows[0]) if rows else None)
     loop = main_loop(k)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
     per_key = sum(mix.values()) * int(warps) / int(block_n)
@@ -192,8 +193,9 @@ def main() -> None:
             head = f"{r['regs']} registers, shared {r['shared']} B, {r['programs']} programs/SM"
             extra = f"; {r['per_key']:.1f} warp-instructions per key, {r['per_byte']:.3f} per KV byte"
         top = ", ".join(f"{op} {n}" for op, n in mix.most_common(10))
-        print(f"{plan}: {head}; MMA loop {sum(mix.values())} instructions/iteration "
-              f"(wait depth {'/'.join(waits) or '-'}){extra}: {top}", flush=True)
+        mmas = " + ".join(f"{mix[op]} {op}" for op in sorted(mix) if op.endswith("MMA"))  # warp-level / warpgroup
+        print(f"{plan}: {head}; MMA loop {sum(mix.values())} instructions/iteration ({mmas}; "
+              f"wait depth {'/'.join(waits) or '-'}){extra}: {top}", flush=True)
 
 
 if __name__ == "__main__":
