@@ -49,15 +49,26 @@ def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: i
     """The kernel with TMA descriptors for sm_90a; returns Triton's compiled kernel (``asm["cubin"]``)."""
     G = 128 if fp8 else BF16_GROUP
     dt = "fp8e4nv" if fp8 else "bf16"
-    i32 = {n: "i32" for n in ("M", "N", "K", "per_seg", "stride_am", "stride_asm", "stride_ask", "stride_bn",
-                              "stride_bsn", "stride_ys", "stride_ym")}
-    sig = {"a_ptr": f"tensordesc<{dt}[{block_m},{G}]>", "as_ptr": "*fp32", "b_ptr": f"tensordesc<{dt}[{block_n},{G}]>",
-           "bs_ptr": "*fp32", "y_ptr": "*bf16" if sum_segs else "*fp32", **i32,
-           **{c: "constexpr" for c in ("G", "BLOCK_M", "BLOCK_N", "SUM_SEGS", "FP8", "IEEE", "TMA")}}
+    types = {"a_ptr": f"tensordesc<{dt}[{block_m},{G}]>", "as_ptr": "*fp32", "b_ptr": f"tensordesc<{dt}[{block_n},{G}]>",
+             "bs_ptr": "*fp32", "y_ptr": "*bf16" if sum_segs else "*fp32"}  # every other argument: an i32
     consts = {"G": G, "BLOCK_M": block_m, "BLOCK_N": block_n, "SUM_SEGS": sum_segs, "FP8": fp8, "IEEE": False,
               "TMA": True}
-    return triton.compile(ASTSource(_exact_gemm_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
-                          options={"num_warps": warps, "num_stages": stages})
+    return _compile_by_name(_exact_gemm_kernel, types, consts, num_warps=warps, num_stages=stages)
+
+
+def _compile_by_name(kernel, types: dict, consts: dict, **options):
+    """``kernel`` for sm_90a with the argument types ``types`` and the constexprs ``consts`` given by name (every
+    other argument an i32, 16-divisible as a launch specializes it)."""
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig)), target=SM90_TARGET, options=options)
+
+
+def _attn_types(kv: str) -> dict:
+    """The pointer and float arguments the attention kernels share: BF16 q and output, the cache in ``kv``'s dtype,
+    fp32 FP8 scales."""
+    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    return {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+            "qk_scale": "fp32"}
 
 
 def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2, block_h: int | None = None):
@@ -65,31 +76,22 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     kernel over a [L, d] cache) or fp8 (the key-major kernel over the decoder's FP8 cache, V stored [d, L]);
     ``block_h``: the query tile's rows instead of the decoder's (8 key-major, 16 head-major)."""
     fp8 = kv == "fp8"
-    kernel = _decode_attn_keys_kernel if fp8 else _decode_attn_kernel
-    cache = "*fp8e4nv" if fp8 else "*bf16"
-    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
-             "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32",
-             "qk_scale": "fp32"}  # every other argument: an i32 stride
-    consts = {"HPG": 4, "D": 128, "BLOCK_H": block_h or (8 if fp8 else 16), "BLOCK_D": 128, "BLOCK_N": block_n, "SPLIT": splits,
-              "NUM_STAGES": stages, "IEEE": False}
+    types = {**_attn_types(kv), "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+             "scale": "fp32"}
+    consts = {"HPG": 4, "D": 128, "BLOCK_H": block_h or (8 if fp8 else 16), "BLOCK_D": 128, "BLOCK_N": block_n,
+              "SPLIT": splits, "NUM_STAGES": stages, "IEEE": False}
     if fp8:  # V stored [d, L]: its key stride is 1 (Triton specializes a 1 as a constant)
         consts.update(TAIL_N=TAIL_N, KV_FP8=True, F16=True, sv_l=1)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-    return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
-                          options={"num_warps": warps})
+    return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
 
 
 def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int):
     """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
-    ``kv`` bf16 or fp8 (the cache's bytes and scales, dequantized in registers)."""
-    cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
-    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
-             "k0_ptr": "*i64", "q0_ptr": "*i64", "qk_scale": "fp32"}  # every other argument: an i32
+    ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights)."""
+    types = {**_attn_types(kv), "k0_ptr": "*i64", "q0_ptr": "*i64"}
     consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8",
               "F16": kv == "fp8", "IEEE": False}
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _exact_attn_kernel.arg_names}
-    return triton.compile(ASTSource(_exact_attn_kernel, sig, consts, _divisible(sig)), target=SM90_TARGET,
-                          options={"num_warps": warps, "num_stages": stages})
+    return _compile_by_name(_exact_attn_kernel, types, consts, num_warps=warps, num_stages=stages)
 
 
 def _divisible(sig: dict) -> dict:

@@ -22,6 +22,10 @@ def ulp_apart(x: torch.Tensor, frac: float, g: torch.Generator) -> torch.Tensor:
     return (x.view(torch.int16) + step).view(torch.bfloat16)
 
 
+def rms(t: torch.Tensor) -> float:
+    return t.pow(2).mean().sqrt().item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fracs", default="0.05,0.2")
@@ -40,10 +44,6 @@ def main() -> None:
         d16 = k2.float() - k.float()
         d8 = kv_qdq(k2, recipe, use_triton=False).float() - kv_qdq(k, recipe, use_triton=False).float()
         s16, s8 = (q * d16).sum(1), (q * d8).sum(1)
-
-        def rms(t):
-            return t.pow(2).mean().sqrt().item()
-
         print(f"| {frac:.2f} | {d16.abs().mean():.2e} -> {d8.abs().mean():.2e} | {rms(d16):.2e} -> {rms(d8):.2e} | "
               f"{rms(s16):.2e} -> {rms(s8):.2e} | {rms(s8) / rms(s16):.1f}x |")
 
