@@ -1,5 +1,7 @@
 """CUDA only: the static decoder (CUDA graphs, fused norm/RoPE/attention/sampler, tuned GEMMs) against
 its eager and unfused forms."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -118,11 +120,13 @@ def test_decoder_triton_attention_equals_sdpa(tmp_path, megatron_single):
 def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
     """``precision.kv_cache=fp8``: the decoder's one-kernel RoPE + cache write with per-row RoPE positions (left-
     padded rows rotated from their own first token) writes ``quant.quantize_kv``'s E4M3 bytes and power-of-two
-    scales of ``rope_torch``'s keys and of the values (torch's round-to-nearest-even cast), q rotated in place; and
-    the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) gives the torch statement's values."""
+    scales of ``rope_torch``'s keys and of the values (torch's round-to-nearest-even cast), q rotated in place; the
+    training forward's one-pass quantize-dequantize (``kv_qdq_triton``) gives the torch statement's values; and
+    into exact mode's cache indexed by position (``shift``; V key-major) the decoder's torch write's bytes."""
     from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
     from megatron_jetrl.precision.quant import kv_qdq, quantize_kv
     from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.decode import StaticDecoder
 
     recipe = FP8Recipe(kv_cache="fp8")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -149,6 +153,16 @@ def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
     assert same_bytes(kc[:, :, idx], kq) and same_bytes(vc[:, :, idx], vq)
     assert torch.equal(ks[:, :, idx], ksc) and torch.equal(vs[:, :, idx], vsc)
     assert same_bytes(kv_qdq(k, recipe), kv_qdq(k, recipe, use_triton=False))
+    # exact mode's cache, indexed by position (each row's tokens at columns idx - shift, V key-major; a prefill's
+    # left pads, at negative columns, not written): the bytes and scales of the decoder's torch write
+    shift = pads if S == 1 else pads + pos + 1
+    caches = [(torch.zeros_like(kc), torch.zeros(b, G, D, L, dtype=kc.dtype, device="cuda").transpose(-1, -2),
+               torch.zeros_like(ks), torch.zeros_like(vs)) for _ in range(2)]
+    rope_and_cache(q.clone(), k, v, cos, sin, *caches[0][:2], idx, *caches[0][2:], recipe, shift)
+    StaticDecoder._write_kv(SimpleNamespace(kv_recipe=recipe), *caches[1], rope_torch(k, cos, sin), v, idx, shift)
+    for a, c in zip(*caches):
+        assert same_bytes(a, c)
+    assert caches[0][0].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -72,12 +72,13 @@ def test_exact_label_logp_rows_do_not_depend_on_the_row_count():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_exact_attention_decode_step_equals_the_training_forward(fp8):
-    """``kernels/exact_attn.py`` at 8B attention shapes (32 heads, 8 groups, head dim 128): a query decoded over a
-    left-padded cache (keys from the row's first token, one query per program) is the bytes of the same query in the
-    trainer's call over the whole sequence (its plan: more positions per program), at positions around the 64-key
-    block edges, and in a prefill whose tiles are not the trainer's; the trainer's call is close to SDPA. FP8 K/V:
-    both read the cache's bytes and scales, and the result is the dequantized values' to BF16 rounding."""
-    from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention
+    """``kernels/exact_attn.py`` at 8B attention shapes (32 heads, 8 groups, head dim 128): a query decoded over the
+    exact decoder's cache (indexed by position: keys 0..p in columns 0..p, stale values past them; one query per
+    program) is the bytes of the same query in the trainer's call over the whole sequence (its plan: more positions
+    per program), at positions around the 64-key block edges, and in a left-padded prefill whose tiles are not the
+    trainer's (the pads' queries get 0); the trainer's call is close to SDPA. FP8 K/V: both read the cache's bytes
+    (V key-major, as the caches hold it) and scales, and the result is the dequantized values' to BF16 rounding."""
+    from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention, key_major
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
     from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -91,38 +92,37 @@ def test_exact_attention_decode_step_equals_the_training_forward(fp8):
     ks = vs = None
     if fp8:
         (k, ks), (v, vs) = quantize_kv(k, rec), quantize_kv(v, rec)
-    train = exact_attention(q, k, v, D ** -0.5, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
+        v = key_major(v)
+    train = exact_attention(q, k, v, D ** -0.5, zero, ks, vs, plan=TRAIN_PLAN)
     kd, vd = (dequantize_kv(k, ks, torch.bfloat16), dequantize_kv(v, vs, torch.bfloat16)) if fp8 else (k, v)
     ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kd, vd, is_causal=True, scale=D ** -0.5,
                                          enable_gqa=True).permute(2, 0, 1, 3)
     assert (train.view(S, b, H, D).float() - ref.float()).abs().max() < 2e-2
     if fp8:
-        deq = exact_attention(q, kd, vd, D ** -0.5, zero, zero[:1], plan=TRAIN_PLAN)
+        deq = exact_attention(q, kd, vd, D ** -0.5, zero, plan=TRAIN_PLAN)
         assert (deq.float() - train.float()).abs().max() <= 2 ** -7 * train.float().abs().max()
-    pads = torch.tensor([0, 3, 64, 130], device="cuda")
-    kc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()  # stale values around the rows
+    kc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()  # stale values past the rows' keys
     vc = torch.randn(b, G, L, D, device="cuda", generator=g).bfloat16()
     kcs = vcs = None
     if fp8:
         (kc, kcs), (vc, vcs) = quantize_kv(kc, rec), quantize_kv(vc, rec)
+        vc = key_major(vc)
+    kc[:, :, :S], vc[:, :, :S] = k, v
+    if fp8:
+        kcs[:, :, :S], vcs[:, :, :S] = ks, vs
+    for i in (0, 1, 62, 63, 64, 65, 127, 128, 200, S - 1):
+        out = exact_attention(q[i:i + 1], kc, vc, D ** -0.5, torch.full_like(zero, i), kcs, vcs)
+        assert torch.equal(out[0], train[i]), (fp8, i)
+    # a left-padded prefill (row r's prompt from column pads[r]: queries at positions column - pads[r])
+    pads = torch.tensor([0, 3, 64, 130], device="cuda")
+    P = 200
+    qp = torch.randn(P, b, H, D, device="cuda", generator=g).bfloat16()
+    for r in range(b):
+        qp[int(pads[r]):, r] = q[:P - int(pads[r]), r]
+    out = exact_attention(qp, kc, vc, D ** -0.5, -pads, kcs, vcs)
     for r in range(b):
         p = int(pads[r])
-        kc[r, :, p:p + S], vc[r, :, p:p + S] = k[r], v[r]
-        if fp8:
-            kcs[r, :, p:p + S], vcs[r, :, p:p + S] = ks[r], vs[r]
-
-    def sc(t, r):
-        return None if t is None else t[r:r + 1]
-
-    for i in (0, 1, 62, 63, 64, 65, 127, 128, 200, S - 1):
-        pos = pads + i
-        for r in range(b):
-            out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1],
-                                  pos[r:r + 1], sc(kcs, r), sc(vcs, r))
-            assert torch.equal(out.view(-1), train[i, r]), (fp8, i, r)
-    # a prefill of several queries (tiles not aligned with the training call's)
-    out = exact_attention(q[5:50, 1:2], kc[1:2], vc[1:2], D ** -0.5, pads[1:2], pads[1:2] + 5, sc(kcs, 1), sc(vcs, 1))
-    assert torch.equal(out[:, 0], train[5:50, 1])
+        assert torch.equal(out[p:, r], train[:P - p, r]) and not out[:p, r].any(), (fp8, r)
 
 
 @pytest.mark.parametrize("mode", ["jet", "bf16", "jet+fp8kv"])

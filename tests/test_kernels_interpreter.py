@@ -267,7 +267,8 @@ def test_fp8_kv_cache_kernels_under_the_interpreter():
     - the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) equals those bytes times the scales,
       for a strided [s, b, g, d] view;
     - the cache write into a key-major V cache (the decoder's FP8 cache: ``[b, G, d, L]`` memory) stores the same
-      bytes;
+      bytes; into exact mode's cache indexed by position (``shift``: each row's tokens at their own positions, left
+      pads not written) the same bytes at those columns, the decoder's torch write (the CPU's) the same values;
     - the decode attention over an FP8 cache (the key-major kernel; scales folded into the scores and the softmax
       weights) equals SDPA over the dequantized K/V to 1e-5, and the same kernel over the dequantized cache bit for
       bit (multiplying by a power of two commutes with rounding), with V key-major or [L, d], one split and several;
@@ -280,6 +281,7 @@ from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
 from megatron_jetrl.kernels.triton_quant import quantize_act_triton
 from megatron_jetrl.precision.quant import dequantize_kv, kv_rule, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.rollout.decode import StaticDecoder
 recipe = FP8Recipe(kv_cache="fp8")
 g = torch.Generator().manual_seed(0)
 def kernel_bytes(x):  # [..., D] -> the 1 x D quantizer kernel's E4M3 bytes with ue8m0 scales (and the scales)
@@ -327,6 +329,28 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     vc32 = torch.zeros_like(kc32)
     rope_and_cache(q.clone(), k, v, cos, sin, kc32, vc32, idx)
     assert torch.equal(kc32[:, :, idx], k_ref.permute(1, 2, 0, 3)) and torch.equal(vc32[:, :, idx], v.permute(1, 2, 0, 3))
+    # exact mode's cache, indexed by position: row r's token at column idx - shift[r]; a negative one (a pad) is not
+    # written; the same as the decoder's torch write (the CPU's), FP8 bytes and scales as the quantizer kernel's
+    sh = torch.tensor([0, 4, 3][:b] if S > 1 else [0, 3, 2][:b])  # a prefill's pads; a decode step's positions >= 0
+    kcs, vcs = torch.zeros(b, G, L, D), torch.zeros(b, G, D, L).transpose(-1, -2)
+    rope_and_cache(q.clone(), k, v, cos, sin, kcs, vcs, idx, shift=sh)
+    kct, vct = torch.zeros_like(kcs), torch.zeros_like(vcs)
+    StaticDecoder._write_kv(None, kct, vct, None, None, k_ref, v, idx, sh)
+    assert torch.equal(kcs, kct) and torch.equal(vcs, vct)
+    k8, v8 = torch.zeros_like(kc), torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)
+    ks8, vs8 = torch.zeros(b, G, L), torch.zeros(b, G, L)
+    rope_and_cache(q.clone(), k, v, cos, sin, k8, v8, idx, ks8, vs8, recipe, shift=sh)
+    for r in range(b):
+        c = idx - sh[r]
+        w = c >= 0
+        assert torch.equal(kcs[r][:, c[w]], k_ref[w, r].permute(1, 0, 2))
+        assert torch.equal(vcs[r][:, c[w]], v[w, r].permute(1, 0, 2))
+        assert torch.equal(k8[r][:, c[w]].view(torch.uint8), kq[r][:, w]) and torch.equal(ks8[r][:, c[w]], ksc[r][:, w])
+        assert torch.equal(v8[r][:, c[w]].view(torch.uint8), vq[r][:, w]) and torch.equal(vs8[r][:, c[w]], vsc[r][:, w])
+        rest = torch.ones(L, dtype=torch.bool)
+        rest[c[w]] = False
+        assert not (kcs[r][:, rest].any() or vcs[r][:, rest].any() or k8[r][:, rest].float().any() or ks8[r][:, rest].any())
+    assert S == 1 or (idx[None, :] - sh[:, None] < 0).any()  # a pad column was skipped
     kv = qkv[..., hpg * D:hpg * D + D]  # a strided view, as the fused QKV split returns
     kb, kbs = kernel_bytes(kv)
     assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * kbs[..., None])
@@ -487,21 +511,23 @@ print("ok")
 
 def test_exact_mode_kernels_under_the_interpreter():
     """Exact mode's kernels (``kernels/exact_attn.py``, ``kernels/exact_gemm.py``; CUDA in production) under the
-    interpreter, fp32 (its BF16 is not the GPU's): the attention of a query decoded over a left-padded cache
-    (keys from the row's first token; stale values around it) is the bytes of the same query in the training call
-    over the whole sequence, at and around the 64-key block edges, and in a prefill whose tiles are not the
-    training call's, and in the trainer's 32-row tiles (``TRAIN_PLAN``: rows of 8 positions where the decoder's
-    hold 1; the interpreter's dots row by row, as an MMA's rows are); the training call equals SDPA to 1e-5; an
-    FP8 cache's bytes and scales give the bytes of the dequantized values (fp32; with a 16-bit q, the GPU's fp16 form,
-    their attention to fp16 rounding, and a decoded query the trainer's call's bytes). The GEMMs (BF16 and block FP8, row- or
-    column-major activation scales): a row's bytes at 1-129 rows (one program per K segment) are those of the
-    300-row call with the segments summed in the program (also in a plan whose column tiles span several weight
-    blocks), and the product is the reference's to fp32 rounding. Autograd: the exact linear's gradients are the plain
-    linear's (with ``fuse_accum`` the weight's lands in ``main_grad`` under megatron's protocol), the exact attention's
-    forward is the kernel's and its gradients are SDPA's."""
+    interpreter, fp32 (its BF16 is not the GPU's): the attention of a query decoded over a cache indexed by
+    position (the exact decoder's: keys 0..p in columns 0..p, stale values past them) is the bytes of the same query
+    in the training call over the whole sequence, at and around the 64-key block edges, and in a left-padded
+    prefill (queries at negative positions, the pads, get 0) whose tiles are not the training call's, and in the
+    trainer's 32-row tiles (``TRAIN_PLAN``: rows of 8 positions where the decoder's hold 1; the interpreter's dots
+    row by row, as an MMA's rows are); the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales
+    (V key-major, as the caches hold it, or not) give the bytes of the dequantized values (fp32; with a 16-bit q,
+    the GPU's fp16 form, their attention to fp16 rounding, and a decoded query the trainer's call's bytes). The
+    GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at 1-129 rows (one program
+    per K segment) are those of the 300-row call with the segments summed in the program (also in a plan whose
+    column tiles span several weight blocks), and the product is the reference's to fp32 rounding. Autograd: the
+    exact linear's gradients are the plain linear's (with ``fuse_accum`` the weight's lands in ``main_grad`` under
+    megatron's protocol), the exact attention's forward is the kernel's (over the FP8 bytes given ``kv8``) and its
+    gradients are SDPA's."""
     code = r'''
 import torch, torch.nn.functional as F
-from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention
+from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention, key_major
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm, segments
 from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, dequantize_kv, quantize_act,
                                             quantize_kv, quantize_weight)
@@ -509,43 +535,58 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 g = torch.Generator().manual_seed(0)
 b, S, H, G, D, L = 3, 140, 8, 2, 32, 200
 q, k, v = (torch.randn(S, b, h, D, generator=g) for h in (H, G, G))
+kt, vt = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, G, S, d]
 zero = torch.zeros(b, dtype=torch.long)
-train = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1])
-ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
+train = exact_attention(q, kt, vt, D ** -0.5, zero)
+ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kt, vt, is_causal=True,
                                      scale=D ** -0.5, enable_gqa=True).permute(2, 0, 1, 3).reshape(S, b, H * D)
 assert (train - ref).abs().max() < 1e-5, (train - ref).abs().max()
-assert torch.equal(exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1],
-                                   plan=TRAIN_PLAN), train)  # the trainer's 32-row tiles: the decoder's bits
+assert torch.equal(exact_attention(q, kt, vt, D ** -0.5, zero, plan=TRAIN_PLAN), train)  # 32-row tiles: the decoder's bits
+rec = FP8Recipe(kv_cache="fp8")
+(kt8, kts), (vt8, vts) = quantize_kv(kt, rec), quantize_kv(vt, rec)
+
+
+def cache(i, fp8=False):
+    """The decoder's cache at position i: columns 0..i hold the sequence's keys (bytes and scales), the rest stale."""
+    kc, vc = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+    if not fp8:
+        kc[:, :, :i + 1], vc[:, :, :i + 1] = kt[:, :, :i + 1], vt[:, :, :i + 1]
+        return kc, vc, None, None
+    (kc, ks), (vc, vs) = quantize_kv(kc, rec), quantize_kv(vc, rec)
+    kc[:, :, :i + 1], vc[:, :, :i + 1] = kt8[:, :, :i + 1], vt8[:, :, :i + 1]
+    ks[:, :, :i + 1], vs[:, :, :i + 1] = kts[:, :, :i + 1], vts[:, :, :i + 1]
+    return kc, key_major(vc), ks, vs
+
+
+for i in (0, 1, 63, 64, 65, 128, S - 1):
+    kc, vc, _, _ = cache(i)
+    out = exact_attention(q[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i))
+    assert torch.equal(out[0], train[i]), i
+# a left-padded prefill: row r's prompt from column pads[r], queries at positions column - pads[r] (pads: < 0, get 0)
 pads = torch.tensor([0, 5, 60])
-kc, vc = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+P = 90
+qp = torch.randn(P, b, H, D, generator=g)
+for r in range(b):
+    qp[int(pads[r]):, r] = q[:P - int(pads[r]), r]
+kc, vc, _, _ = cache(P - 1)
+out = exact_attention(qp, kc, vc, D ** -0.5, -pads)
 for r in range(b):
     p = int(pads[r])
-    kc[r, :, p:p + S], vc[r, :, p:p + S] = k[:, r].permute(1, 0, 2), v[:, r].permute(1, 0, 2)
-for i in (0, 1, 63, 64, 65, 128, S - 1):
-    for r in range(b):
-        out = exact_attention(q[i:i + 1, r:r + 1], kc[r:r + 1], vc[r:r + 1], D ** -0.5, pads[r:r + 1], pads[r:r + 1] + i)
-        assert torch.equal(out.view(-1), train[i, r]), (i, r)
-out = exact_attention(q[3:90, 2:3], kc[2:3], vc[2:3], D ** -0.5, pads[2:3], pads[2:3] + 3)  # a prefill's tiles
-assert torch.equal(out[:, 0], train[3:90, 2])
-rec = FP8Recipe(kv_cache="fp8")
-(kq, ks), (vq, vs) = quantize_kv(kc, rec), quantize_kv(vc, rec)
-o8 = exact_attention(q[:, :2], kq[:2], vq[:2], D ** -0.5, pads[:2], zero[:1], ks[:2], vs[:2])
-od = exact_attention(q[:, :2], dequantize_kv(kq[:2], ks[:2], torch.float32), dequantize_kv(vq[:2], vs[:2], torch.float32),
-                     D ** -0.5, pads[:2], zero[:1])
-assert torch.equal(o8, od)
+    assert torch.equal(out[p:, r], train[:P - p, r]) and not out[:p, r].any(), r
+kc, vc, ks, vs = cache(S - 1, fp8=True)
+o8 = exact_attention(q, kc, vc, D ** -0.5, zero, ks, vs)
+od = exact_attention(q, dequantize_kv(kc, ks, torch.float32), dequantize_kv(vc, vs, torch.float32), D ** -0.5, zero)
+assert torch.equal(o8, od) and torch.equal(exact_attention(q, kc, vc.contiguous(), D ** -0.5, zero, ks, vs), o8)
 # the GPU's form of the FP8 variant (a 16-bit q: fp16 tensor cores, the scales on scores and weights): the dequantized
-# values' attention to fp16 rounding, and a query decoded over the left-padded cache has the bytes of the trainer's
-# call over the sequence's own bytes (32-row tiles)
+# values' attention to fp16 rounding, and a query decoded over the cache has the bytes of the trainer's call over the
+# sequence's own bytes (32-row tiles)
 q16 = q.half()
-assert (exact_attention(q16[:, :2], kq[:2], vq[:2], D ** -0.5, pads[:2], zero[:1], ks[:2], vs[:2]).float()
-        - o8).abs().max() < 1e-2
-(kt8, kts), (vt8, vts) = quantize_kv(k.permute(1, 2, 0, 3), rec), quantize_kv(v.permute(1, 2, 0, 3), rec)
-train16 = exact_attention(q16, kt8, vt8, D ** -0.5, zero, zero[:1], kts, vts, plan=TRAIN_PLAN)
+assert (exact_attention(q16, kc, vc, D ** -0.5, zero, ks, vs).float() - o8).abs().max() < 1e-2
+train16 = exact_attention(q16, kt8, key_major(vt8), D ** -0.5, zero, kts, vts, plan=TRAIN_PLAN)
 for i in (0, 63, 64, S - 1):
-    for r in range(b):
-        out = exact_attention(q16[i:i + 1, r:r + 1], kq[r:r + 1], vq[r:r + 1], D ** -0.5, pads[r:r + 1],
-                              pads[r:r + 1] + i, ks[r:r + 1], vs[r:r + 1])
-        assert torch.equal(out.view(-1), train16[i, r]), (i, r)
+    kc, vc, ks, vs = cache(i, fp8=True)
+    out = exact_attention(q16[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i), ks, vs)
+    assert torch.equal(out[0], train16[i]), i
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4
@@ -574,8 +615,9 @@ assert wf.grad_added_to_main_grad and torch.allclose(wf.main_grad, 1 + dy.t() @ 
 # the exact attention's forward is the kernel's, its gradients SDPA's (recomputed)
 qa, ka, va = (t[:70].clone().requires_grad_(True) for t in (q, k, v))
 out = ExactAttention.apply(qa, ka, va, D ** -0.5)
-assert torch.equal(out, exact_attention(q[:70], k[:70].permute(1, 2, 0, 3), v[:70].permute(1, 2, 0, 3), D ** -0.5, zero,
-                                        zero[:1]))
+assert torch.equal(out, exact_attention(q[:70], kt[:, :, :70], vt[:, :, :70], D ** -0.5, zero))
+kv8 = (kt8[:, :, :70], kts[:, :, :70], vt8[:, :, :70].contiguous(), vts[:, :, :70])  # the trainer's bytes: V [L, d]
+assert torch.equal(ExactAttention.apply(q16[:70], ka.half(), va.half(), D ** -0.5, kv8), train16[:70])
 do = torch.randn(out.shape, generator=g)
 out.backward(do)
 qb, kb, vb = (t[:70].clone().requires_grad_(True) for t in (q, k, v))

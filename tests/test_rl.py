@@ -292,12 +292,12 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
 @pytest.mark.parametrize("mode", ["jet", "jet+fp8kv"])
 def test_exact_mode_static_decoder_on_the_exact_kernels_under_the_interpreter(mode, tmp_path):
     """Exact mode's GPU design run by Triton's CPU interpreter (fp32: its BF16 is not the GPU's): the static decoder
-    with the KV cache, no fusions, prefill and decode steps on ``kernels/exact_attn.py`` (keys from each left-padded
-    row's first token), the linears' GEMMs and the LM head on ``kernels/exact_gemm.py``; the trainer's forward on the
-    same kernels (micro-batches of 3, no common padded length). Every sampled token's logprob equals the trainer's,
-    bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 12 new tokens (the FP8 KV cache too); the exact
-    kernels are the ones called. With the decode steps' key blocks of 16 instead of the trainer's 64 the logprobs differ
-    (the key order is what makes it exact)."""
+    with the KV cache, no fusions, prefill and decode steps on ``kernels/exact_attn.py`` (over the cache indexed by
+    each left-padded row's own positions), the linears' GEMMs and the LM head on ``kernels/exact_gemm.py``; the
+    trainer's forward on the same kernels (micro-batches of 3, no common padded length). Every sampled token's logprob
+    equals the trainer's, bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 12 new tokens (the FP8 KV
+    cache too); the exact kernels are the ones called. With the decode steps' key blocks of 16 instead of the
+    trainer's 64 the logprobs differ (the key order is what makes it exact)."""
     make_hf_model("qwen3", str(tmp_path), seed=9)
     code = r'''
 import sys, torch

@@ -1,7 +1,8 @@
 """Exact mode's kernels (``precision.exact``) beside the default ones on this GPU, at the 8B model's shapes, timed as
 CUDA-graph replays, side by side in one run: the block-FP8 GEMM (cuBLAS's ``scaled_mm`` and the small-M decode GEMM vs
 ``kernels/exact_gemm.py`` in each ``--gemm-configs`` plan) at the decoder's rows and a training micro-batch's, the
-BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``),
+BF16 LM head (cuBLAS vs the exact BF16 GEMM), the training forward's attention (SDPA vs ``kernels/exact_attn.py``,
+which also over the FP8 KV cache's bytes),
 a decode step's (SDPA over a bucket, the Triton decode kernel, the exact kernel) and a long-context decode step's over
 the FP8 KV cache (the key-major decode kernel vs the exact kernel). Each exact plan says whether its
 output has the first plan's bytes (the decoder and the trainer may run different plans only where they do).
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import time_graph_ms
 from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
-from megatron_jetrl.kernels.exact_attn import exact_attention
+from megatron_jetrl.kernels.exact_attn import exact_attention, key_major
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm
 from megatron_jetrl.kernels.triton_gemm import small_m_linear
 from megatron_jetrl.precision.gemm import block_gemm
@@ -93,11 +94,18 @@ def main() -> None:
     zero = torch.zeros(b, dtype=torch.long, device=dev)
     first = None
     for p in plans:
-        y = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)
+        y = exact_attention(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, plan=p)
         first = y if first is None else first
         add("attn_train", f"{b}x{S}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
-            q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, zero[:1], plan=p)), flops, None,
+            q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), D ** -0.5, zero, plan=p)), flops, None,
             torch.equal(y, first))
+    # ... over the FP8 KV cache's bytes (V key-major, as the trainer hands them): the trainer's plan, 64- and 128-key
+    rec = FP8Recipe(kv_cache="fp8")
+    (k8, ks8), (v8, vs8) = (quantize_kv(t.permute(1, 2, 0, 3), rec) for t in (k, v))
+    v8 = key_major(v8)
+    for p in ((64, 4, 2, 32), (128, 4, 2, 32)):
+        add("attn_train_fp8kv", f"{b}x{S}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
+            q, k8, v8, D ** -0.5, zero, ks8, vs8, plan=p)), flops)
     # decode step: 64 rows x 1,024 keys
     B, L, n = 64, 1152, 1024
     q = torch.randn(1, B, H, D, device=dev, generator=g).bfloat16()
@@ -112,25 +120,26 @@ def main() -> None:
     splits = default_splits(B, G, L, dev)
     add("attn_decode", f"{B}x{n}", "triton", time_graph_ms(lambda: decode_attention(q[0], kc, vc, ok, pos, D ** -0.5,
                                                                                    splits)), None, nbytes)
-    zero = torch.zeros(B, dtype=torch.long, device=dev)
+    qpos = torch.full((B,), n - 1, device=dev)  # every row's query position (the exact decoder's cache: by position)
     for p in plans[:1] + [(bn, w, st, 16) for bn, w, st in ((64, 4, 3), (128, 4, 3), (64, 8, 2), (32, 4, 4))]:
         add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
-            q, kc, vc, D ** -0.5, zero, pos, plan=p)), None, nbytes)
+            q, kc, vc, D ** -0.5, qpos, plan=p)), None, nbytes)
     # decode step over the FP8 KV cache at a long context, 64 rows x 4,096 keys: the default mode's key-major kernel
-    # (V key-major, the decoder's plan) vs the exact kernel (V [L, d]) in the decoder's plan and other stage counts
+    # (the decoder's plan) vs the exact kernel in the decoder's plan, other stage counts and 128-key blocks (V
+    # key-major in both, as the decoders' FP8 caches hold it)
     n, L = 4096, 4160
-    rec = FP8Recipe(kv_cache="fp8")
     (kq, ks), (vq, vs) = (quantize_kv(torch.randn(B, G, L, D, device=dev, generator=g).bfloat16(), rec)
                           for _ in range(2))
-    vq_km = vq.transpose(-1, -2).contiguous().transpose(-1, -2)
+    vq_km = key_major(vq)
     ok = torch.ones(B, L, dtype=torch.bool, device=dev)
     pos = torch.tensor([n - 1], device=dev)
+    qpos = torch.full((B,), n - 1, device=dev)
     nbytes = 2 * B * G * n * (D + 4)
     add("attn_decode_fp8kv", f"{B}x{n}", "triton key-major", time_graph_ms(lambda: decode_attention(
         q[0], kq, vq_km, ok, pos, D ** -0.5, max(2, default_splits(B, G, L, dev)), 128, 2, 4, ks, vs)), None, nbytes)
-    for p in plans[:1] + [(64, 4, 1, 16), (64, 4, 3, 16)]:
+    for p in plans[:1] + [(64, 4, 1, 16), (64, 4, 3, 16), (128, 4, 2, 16)]:
         add("attn_decode_fp8kv", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
-            q, kq, vq, D ** -0.5, zero, pos, ks, vs, plan=p)), None, nbytes)
+            q, kq, vq_km, D ** -0.5, qpos, ks, vs, plan=p)), None, nbytes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

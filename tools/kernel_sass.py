@@ -87,10 +87,13 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
 
 def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int):
     """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
-    ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights)."""
-    types = {**_attn_types(kv), "k0_ptr": "*i64", "q0_ptr": "*i64"}
+    ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights, V
+    key-major)."""
+    types = {**_attn_types(kv), "q0_ptr": "*i64"}
     consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8",
               "F16": kv == "fp8", "IEEE": False}
+    # V's unit stride (Triton specializes a 1 as a constant): the FP8 cache keeps V key-major ([d, L]), BF16 [L, d]
+    consts["sv_l" if kv == "fp8" else "sv_d"] = 1
     return _compile_by_name(_exact_attn_kernel, types, consts, num_warps=warps, num_stages=stages)
 
 

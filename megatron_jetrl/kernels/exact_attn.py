@@ -9,9 +9,11 @@ own position, so the rollout's decoder and the trainer's forward give a query th
 - one program owns a tile of ``R`` query rows: ``R // hpg`` consecutive positions x the ``hpg`` query heads of one
   key/value group, so a program reads its group's K/V tiles once for all of them (grouped-query attention); the
   decoder's tile holds one position (``R = max(16, next_pow2(hpg))``), the trainer's 32 rows (:data:`TRAIN_PLAN`);
-- keys are visited in blocks of ``BLOCK_N`` starting at the row's first real key ``k0`` (the decoder's left
-  pads are skipped, the trainer's sequences start at 0), so every query sees the same blocks with the same
-  contents in both; within a block the causal mask (key <= query position) is applied to the fp32 scores;
+- keys are indexed by position: the trainer's sequences start at column 0, and the exact decoder's cache writes
+  each row's tokens from its own position 0 (no left pads in it: ``rollout/decode.py``); keys are visited in
+  blocks of ``BLOCK_N`` from position 0, so every query sees the same blocks with the same contents in both, and
+  a block's tiles start on a ``BLOCK_N`` edge (aligned, wide loads); within a block the causal mask (key <= query
+  position) is applied to the fp32 scores;
 - per block, in this order: ``s = (q . k) * scale * log2(e)`` (tensor cores, fp32 accumulation), masked keys
   -> -inf, ``m' = max(m, max(s))``, ``alpha = 2^(m - m')``, ``p = 2^(s - m')``, ``l = l * alpha + sum(p)``,
   ``acc = acc * alpha + p_bf16 . v``; at the end ``acc / l``. A block past a row's own last key (the tile's
@@ -27,8 +29,10 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   2^-14), a key's scale (times ``scale * log2(e)``) multiplying its fp32 score and a value's scale (times ``P_F16``,
   divided out at the end: fp16's normal range) its softmax weight before the weight's rounding, as the key-major
   decode kernel does; powers of two, so the scales round nothing. With fp32 inputs (the CPU tests) the result is
-  the kernel's over the dequantized values bit for bit. The trainer hands the kernel the same bytes and scales
-  (the recipe's KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
+  the kernel's over the dequantized values bit for bit. V's bytes are key-major (``[d, L]`` memory), so the
+  P.V product's operand tiles are contiguous along the keys it sums over (one E4M3 -> fp16 conversion per pair,
+  no byte-wise gathers). The trainer hands the kernel the same bytes and scales in the same layout (the recipe's
+  KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
 512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
@@ -51,8 +55,8 @@ NUM_STAGES = 2
 
 
 @triton.jit(do_not_specialize=["S", "L"])
-def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_ptr, S, L, qk_scale,
-                       sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, ss_b, ss_g, so_s, so_b, so_h,
+def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L, qk_scale,
+                       sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, so_s, so_b, so_h,
                        HPG: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
@@ -65,15 +69,14 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_pt
     qi = t * P + r // HPG  # query index in this call
     head = g * HPG + r % HPG
     rm = (r < P * HPG) & (qi < S)
-    q0 = tl.load(q0_ptr)  # the first query's position (the decoder's step position; 0 in training)
-    k0 = tl.load(k0_ptr + b)  # the row's first real key
-    qpos = q0 + qi
+    q0 = tl.load(q0_ptr + b)  # the row's first query's position (the decoder's step position; 0 in training)
+    qpos = q0 + qi  # negative: a left pad of the decoder's prefill (no key; output 0)
     q = tl.load(q_ptr + qi.to(tl.int64)[:, None] * sq_s + b * sq_b + head[:, None] * sq_h + dd[None, :],
                 mask=rm[:, None] & dm[None, :], other=0.0)
     if F16:  # the FP8 cache on fp16 tensor cores (E4M3 -> fp16: one instruction per pair); q exact in fp16 above 2^-14
         q = q.to(tl.float16)
     last = q0 + tl.minimum(t * P + P, S) - 1  # the tile's last query position
-    nblocks = tl.cdiv(tl.maximum(last - k0 + 1, 0), BLOCK_N).to(tl.int32)
+    nblocks = tl.cdiv(tl.maximum(last + 1, 0), BLOCK_N).to(tl.int32)
     m_i = tl.full([R], -1.0e30, tl.float32)
     l_i = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, BLOCK_D], tl.float32)
@@ -82,11 +85,11 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, k0_ptr, q0_pt
     v_row = v_ptr + b * sv_b + g * sv_g
     s_row = b * ss_b + g * ss_g
     for j in range(0, nblocks):
-        keys = k0 + j * BLOCK_N + kn
+        keys = j * BLOCK_N + kn
         km = keys < L
         kk = keys.to(tl.int64)
         kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :] * sv_d, mask=km[:, None] & dm[None, :], other=0.0)
         if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
             kt = kt.to(q.dtype)
             vt = vt.to(q.dtype)
@@ -132,28 +135,29 @@ def tile_rows(heads_per_group: int) -> int:
 TRAIN_PLAN = (BLOCK_N, NUM_WARPS, NUM_STAGES, 32)
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, k0: torch.Tensor,
-                    q0: torch.Tensor, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0 + i``) over keys
-    ``k``/``v`` given as ``[b, groups, L, d]`` views (the decoder's cache; the trainer passes its
-    ``[L, b, groups, d]`` tensors permuted, no copy), row ``r`` reading keys ``k0[r] .. q0 + i``; returns
-    ``[S, b, heads * d]`` (or writes ``out``, that shape). ``k0`` [b] and ``q0`` [1] are int64 device tensors
-    (read by the kernel: one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale``
-    ``[b, groups, L]`` (unit last stride) are read as bytes and scales. Any strides with a unit last dimension.
-    ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of the decoder's (the trainer's
-    :data:`TRAIN_PLAN`; ``tools/exact_bench.py``)."""
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0[r] + i``) over keys
+    ``k``/``v`` given as ``[b, groups, L, d]`` views indexed by position (key ``j`` of a row in column ``j``: the
+    trainer's sequences, and the exact decoder's cache, which writes each row's tokens from its own position 0),
+    query ``i`` of row ``r`` reading keys ``0 .. q0[r] + i`` (a negative position: none, output 0); returns
+    ``[S, b, heads * d]`` (or writes ``out``, that shape). ``q0`` [b] is an int64 device tensor (read by the kernel:
+    one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale`` ``[b, groups, L]`` (unit last
+    stride) are read as bytes and scales. q and k with a unit last stride; v with a unit stride in either of its
+    last two dimensions (the FP8 cache keeps V key-major, ``[d, L]`` memory: the P.V product's operand tiles are then
+    contiguous along the keys it sums over). ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of
+    the decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``)."""
     S, b, H, D = q.shape
     G, L = k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
-    if (H % G or k.shape != v.shape or k.shape[0] != b or k.shape[3] != D
-            or min(t.stride(-1) for t in (q, k, v)) != 1 or k0.shape != (b,) or q0.numel() != 1):
+    if (H % G or k.shape != v.shape or k.shape[0] != b or k.shape[3] != D or q.stride(-1) != 1
+            or k.stride(-1) != 1 or 1 not in v.stride()[-2:] or q0.shape != (b,)):
         raise ValueError(f"exact_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
-                         f"k/v {tuple(k.shape)} {tuple(k.stride())}, k0 {tuple(k0.shape)}")
+                         f"k {tuple(k.shape)} {tuple(k.stride())}, v {tuple(v.stride())}, q0 {tuple(q0.shape)}")
     if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride(-1) != 1
-                or v_scale.stride(-1) != 1):
-        raise ValueError("exact_attention: FP8 K/V need k_scale/v_scale [b, groups, L] with a unit last stride")
+                or v_scale.stride() != k_scale.stride()):
+        raise ValueError("exact_attention: FP8 K/V need k_scale/v_scale [b, groups, L] with equal strides, unit last")
     if out is None:
         out = torch.empty((S, b, H * D), dtype=q.dtype, device=q.device)
     if S == 0 or b == 0:
@@ -166,13 +170,17 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     R = max(R, tile_rows(hpg))
     grid = (triton.cdiv(S, R // hpg), b, G)
     _exact_attn_kernel[grid](
-        q, k, v, k_scale, v_scale, o, k0, q0, S, L, float(scale) * math.log2(math.e),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        o.stride(0), o.stride(1), o.stride(2),
+        q, k, v, k_scale, v_scale, o, q0, S, L, float(scale) * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *v.stride(),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, o.stride(0), o.stride(1), o.stride(2),
         HPG=hpg, R=R, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, KV_FP8=fp8,
         F16=fp8 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out
+
+
+def key_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., L, d]`` as a view of ``[..., d, L]`` memory (the FP8 cache's V layout; one copy)."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 class ExactAttention(torch.autograd.Function):
@@ -188,8 +196,11 @@ class ExactAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, kv8=None):
         s, b = q.shape[:2]
         zero = torch.zeros(b, dtype=torch.int64, device=q.device)
-        kb, ks, vb, vs = kv8 if kv8 is not None else (k.permute(1, 2, 0, 3), None, v.permute(1, 2, 0, 3), None)
-        out = exact_attention(q, kb, vb, scale, zero, zero[:1], ks, vs, plan=TRAIN_PLAN)
+        if kv8 is not None:  # V's bytes key-major, as the decoder's FP8 cache holds them
+            kb, ks, vb, vs = kv8[0], kv8[1], key_major(kv8[2]), kv8[3]
+        else:
+            kb, ks, vb, vs = k.permute(1, 2, 0, 3), None, v.permute(1, 2, 0, 3), None
+        out = exact_attention(q, kb, vb, scale, zero, ks, vs, plan=TRAIN_PLAN)
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         return out

@@ -60,26 +60,26 @@ def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def _store_kv(dst_ptr, scale_ptr, row, d, D: tl.constexpr, inv_max, fmax, eps, KV_FP8: tl.constexpr, sd):
+def _store_kv(dst_ptr, scale_ptr, row, d, D: tl.constexpr, inv_max, fmax, eps, KV_FP8: tl.constexpr, sd, n):
     """Store one K or V head row into the cache (its elements ``sd`` apart: 1, or the cache length for a key-major
-    V): as it is, or (``KV_FP8``) as E4M3 bytes with its power-of-two scale (the recipe's KV rule,
-    ``quant.quantize_kv``: amax over the row, ue8m0, the cast to nearest even)."""
+    V; ``n``: D, or 0 to write nothing): as it is, or (``KV_FP8``) as E4M3 bytes with its power-of-two scale (the
+    recipe's KV rule, ``quant.quantize_kv``: amax over the row, ue8m0, the cast to nearest even)."""
     if KV_FP8:
         x = row.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(tl.where(d < D, x, 0.0)), axis=0), eps)
         scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, True)
-        tl.store(dst_ptr + d * sd, tl.clamp(x * mult, -fmax, fmax).to(tl.float8e4nv), mask=d < D)
-        tl.store(scale_ptr, scale_inv)
+        tl.store(dst_ptr + d * sd, tl.clamp(x * mult, -fmax, fmax).to(tl.float8e4nv), mask=d < n)
+        tl.store(scale_ptr, scale_inv, mask=n > 0)
     else:
-        tl.store(dst_ptr + d * sd, row, mask=d < D)
+        tl.store(dst_ptr + d * sd, row, mask=d < n)
 
 
 @triton.jit
-def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, idx_ptr, CB, H,
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, idx_ptr, shift_ptr, CB, H,
                     sq_s, sq_b, sq_h, sk_s, sk_b, sk_h, sv_s, sv_b, sv_h, sc_b, sc_g, sc_l, svc_b, svc_g, svc_l,
                     svc_d, ss_b, ss_g,
                     inv_max, fmax, eps, ROT: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+                    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, SHIFT: tl.constexpr):
     s = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a 256 x 8K-token cache of one layer passes 2^31 elements
     h = tl.program_id(2)  # q heads first, then the key/value groups
@@ -91,20 +91,23 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_pt
     else:
         g = h - H
         pos = tl.load(idx_ptr + s)
+        if SHIFT:  # the row's own position: a cache indexed by position (a left pad's column < 0 is not written)
+            pos -= tl.load(shift_ptr + bi)
+        n = tl.where(pos >= 0, D, 0)
         dst = bi * sc_b + g * sc_g + pos * sc_l
         sdst = bi * ss_b + g * ss_g + pos  # the scales' [b, G, L] (KV_FP8)
         krow = k_ptr + s * sk_s + bi * sk_b + g * sk_h
         _store_kv(kc_ptr + dst, ks_ptr + sdst, _rope_row(krow, cos_ptr, sin_ptr, cs, d, ROT, HALF, D), d, D,
-                  inv_max, fmax, eps, KV_FP8, 1)
+                  inv_max, fmax, eps, KV_FP8, 1, n)
         vrow = tl.load(v_ptr + s * sv_s + bi * sv_b + g * sv_h + d, mask=d < D, other=0.0)
         _store_kv(vc_ptr + bi * svc_b + g * svc_g + pos * svc_l, vs_ptr + sdst, vrow, d, D, inv_max, fmax, eps, KV_FP8,
-                  svc_d)
+                  svc_d, n)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   recipe: FP8Recipe | None = None) -> None:
+                   recipe: FP8Recipe | None = None, shift: torch.Tensor | None = None) -> None:
     """RoPE on ``q [S, b, H, d]`` in place; RoPE'd ``k`` and ``v`` (``[S, b, G, d]``) written into the
     caches ``[b, G, L, d]`` at cache columns ``idx [S]``; ``cos``/``sin`` ``[S, rot]`` (one RoPE position per token)
     or ``[S * b, rot]`` (one per token and sequence: left-padded rows rotated from their own first token). Any
@@ -112,7 +115,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     with a unit last stride, the V cache with one or key-major (a ``[b, G, L, d]`` view of ``[b, G, d, L]`` memory,
     the decoder's FP8 cache for the key-major decode attention). An FP8 cache
     (``k_cache``/``v_cache`` float8_e4m3fn, ``k_scale``/``v_scale`` ``[b, G, L]`` fp32 with a unit last stride and
-    equal strides, ``recipe``) gets ``quant.quantize_kv``'s bytes and scales of the RoPE'd k and of v."""
+    equal strides, ``recipe``) gets ``quant.quantize_kv``'s bytes and scales of the RoPE'd k and of v. ``shift``
+    (int64 ``[b]``): row ``r``'s token at column ``idx[s]`` goes to cache column ``idx[s] - shift[r]`` (the row's own
+    position: exact mode's cache, indexed by position; a negative column, a left pad, is not written)."""
     S, b, H, D = q.shape
     G, rot = k.shape[2], cos.shape[-1]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -124,16 +129,19 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
                 or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:-1]):
         raise ValueError("rope_and_cache: an FP8 KV cache needs k_scale/v_scale [b, G, L] (equal strides, unit last) "
                          "and the recipe")
+    if shift is not None and shift.shape != (b,):
+        raise ValueError(f"rope_and_cache: shift {tuple(shift.shape)} for {b} rows")
     if S == 0 or b == 0:
         return
     if not fp8:
         k_scale = v_scale = k_cache  # unused (KV_FP8 off), as the quantizer's constants below
         recipe = recipe or FP8Recipe()
     grid = (S, b, H + G)
-    _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale, idx, cos.shape[0] // S, H,
+    _rope_kv_kernel[grid](q, k, v, cos, sin, k_cache, v_cache, k_scale, v_scale, idx,
+                          idx if shift is None else shift, cos.shape[0] // S, H,
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1),
                           k_cache.stride(2), *v_cache.stride(), k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
                           1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, ROT=rot, HALF=rot // 2, D=D,
-                          BLOCK_D=triton.next_power_of_2(D), KV_FP8=fp8,
+                          BLOCK_D=triton.next_power_of_2(D), KV_FP8=fp8, SHIFT=shift is not None,
                           num_warps=1, enable_fp_fusion=False,)  # no FMA: one rounding per op, as torch

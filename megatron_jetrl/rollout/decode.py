@@ -29,7 +29,8 @@ its own KV cache with static shapes:
 
 Exact mode (``precision.exact``, ``exact=True``): the linears called as the trainer's forward calls them (the fused
 QKV in Megatron's order; the fused norm kernel's activation bytes are the trainer's quantizer's), prefill and decode
-steps on ``kernels/exact_attn.py`` with keys from each row's first token; with the batch-invariant GEMMs
+steps on ``kernels/exact_attn.py`` over a KV cache indexed by each row's own position (a row's token at position
+``p`` in column ``p``, as in the trainer's sequences; no left pads in it); with the batch-invariant GEMMs
 (``kernels/exact_gemm.py``) a row's logits are the bits of the trainer's forward.
 
 Prefill runs the same code eagerly (in batch chunks that bound the score tensor and the activations).
@@ -181,7 +182,7 @@ class StaticDecoder:
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=kv_dtype, device=dev)
         # an FP8 cache read by the key-major decode attention keeps V key-major ([d, L] memory, a [L, d] view): the
         # P.V product's operand tiles are then contiguous (kernels/decode_attn.py)
-        self.v_key_major = self.kv_recipe is not None and self.triton_attn and not exact
+        self.v_key_major = self.kv_recipe is not None and self.triton_attn
         if self.v_key_major:
             self.v = torch.zeros(nl, batch, self.groups, self.dim, max_len, dtype=kv_dtype, device=dev).transpose(3, 4)
         else:
@@ -301,25 +302,27 @@ class StaticDecoder:
         return q, k, v
 
     def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, rope: tuple, Lb: int,
-                   mask: torch.Tensor):
-        """q [S, b, heads, d], k/v [S, b, groups, d] for positions ``idx`` [S] (``rope``: the RoPE
-        table rows and their cos/sin) -> [S, b, heads*d]."""
+                   mask: torch.Tensor, q0: torch.Tensor | None = None):
+        """q [S, b, heads, d], k/v [S, b, groups, d] at cache columns ``idx`` [S] (``rope``: the RoPE
+        table rows and their cos/sin) -> [S, b, heads*d]. Exact mode: the cache is indexed by each row's own
+        position (column ``idx - pads``; ``q0`` [b]: the position of column ``idx[0]``)."""
         S, b = idx.shape[0], q.shape[1]
         f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
         ks, vs = (None, None) if self.ks is None else (self.ks[li, rows], self.vs[li, rows])  # [b, g, L]
+        shift = self.pads[rows] if self.exact else None
         if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache (quantized: FP8 KV): one kernel
-            rope_and_cache(q, k, v, cos, sin, kc, vc, idx, ks, vs, self.kv_recipe)
+            rope_and_cache(q, k, v, cos, sin, kc, vc, idx, ks, vs, self.kv_recipe, shift)
         else:
             if self.cfg.rotary_interleaved:
                 q, k = apply_rotary_pos_emb(q, f, config=self.cfg), apply_rotary_pos_emb(k, f, config=self.cfg)
             else:
                 q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
-            self._write_kv(kc, vc, ks, vs, k, v, idx)
-        if self.exact:  # prefill and decode steps: the trainer's attention kernel, keys from the row's first token
+            self._write_kv(kc, vc, ks, vs, k, v, idx, shift)
+        if self.exact:  # prefill and decode steps: the trainer's attention kernel over the position-indexed cache
             from megatron_jetrl.kernels.exact_attn import exact_attention
 
-            return exact_attention(q, kc, vc, self.scale, self.pads[rows], idx[:1], ks, vs)
+            return exact_attention(q, kc, vc, self.scale, q0, ks, vs)
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
@@ -337,18 +340,35 @@ class StaticDecoder:
                                              scale=self.scale, enable_gqa=self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(S, out.shape[0], self.heads * self.dim)
 
-    def _write_kv(self, kc, vc, ks, vs, k, v, idx) -> None:
-        """The RoPE'd ``k`` and ``v`` [S, b, g, d] into the cache views at positions ``idx`` (torch ops: the CPU and
-        megatron's interleaved RoPE); an FP8 cache gets ``quant.quantize_kv``'s bytes and scales."""
-        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, S, d]
-        if ks is None:
-            kc.index_copy_(2, idx, k.to(kc.dtype))
-            vc.index_copy_(2, idx, v.to(vc.dtype))
-            return
+    def _write_kv(self, kc, vc, ks, vs, k, v, idx, shift=None) -> None:
+        """The RoPE'd ``k`` and ``v`` [S, b, g, d] into the cache views at columns ``idx`` (torch ops: the CPU and
+        megatron's interleaved RoPE), or with ``shift`` [b] at each row's own positions ``idx - shift`` (exact
+        mode's position-indexed cache; left pads not written); an FP8 cache gets ``quant.quantize_kv``'s bytes and
+        scales."""
+        writes = []  # (cache, its scales or None, values [b, g, S, d], their scales [b, g, S] or None)
         for cache, scales, t in ((kc, ks, k), (vc, vs, v)):
-            q8, s = quantize_kv(t, self.kv_recipe)
-            cache.view(torch.uint8).index_copy_(2, idx, q8.view(torch.uint8))  # FP8 as bytes: every device has it
-            scales.index_copy_(2, idx, s)
+            t = t.permute(1, 2, 0, 3)
+            if scales is None:
+                writes.append((cache, None, t.to(cache.dtype), None))
+            else:  # FP8 as bytes: every device has a uint8 copy
+                q8, s8 = quantize_kv(t, self.kv_recipe)
+                writes.append((cache.view(torch.uint8), scales, q8.view(torch.uint8), s8))
+        if shift is None:
+            for cache, scales, t, s8 in writes:
+                cache.index_copy_(2, idx, t)
+                if scales is not None:
+                    scales.index_copy_(2, idx, s8)
+            return
+        col = idx[None, :] - shift[:, None]  # [b, S]
+        if idx.shape[0] == 1:  # a decode step: every row's position is >= 0 (no host sync inside a CUDA graph)
+            r = torch.arange(col.shape[0], device=col.device)
+            j = torch.zeros_like(r)
+        else:  # prefill (eager): left pads have negative positions
+            r, j = (col >= 0).nonzero(as_tuple=True)
+        for cache, scales, t, s8 in writes:
+            cache[r, :, col[r, j]] = t[r, :, j]  # [n, g, d]
+            if scales is not None:
+                scales[r, :, col[r, j]] = s8[r, :, j]
 
     def _forward(self, ids: torch.Tensor, rows: slice, pos: torch.Tensor, Lb: int, causal: bool) -> torch.Tensor:
         """ids [b, S] at positions pos.. -> logits [b, vocab] of the last position. The positions,
@@ -363,12 +383,13 @@ class StaticDecoder:
         rope = (f, *rope_tables(f, self.dtype))
         h = self.gpt.embedding(input_ids=ids, position_ids=idx.expand(b, S))  # [S, b, H]
         mask = None if self.exact or (self.triton_attn and not causal) else self._mask_bias(rows, idx, Lb, causal)
+        q0 = idx[:1] - self.pads[rows] if self.exact else None  # each row's position at column idx[0]
         delta, splits = None, 1  # the last block's output (or its split-K partials), added by the next norm
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
             h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv, splits)
             q, k, v = self._qkv(attn, x, xq)
-            ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask)
+            ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask, q0)
             delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
             fc1 = getattr(layer.mlp, "linear_fc1", None)
             h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1, splits)
