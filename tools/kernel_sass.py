@@ -91,7 +91,7 @@ def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int
     key-major)."""
     types = {**_attn_types(kv), "q0_ptr": "*i64"}
     consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8",
-              "F16": kv == "fp8", "IEEE": False}
+              "F16": kv == "fp8", "IEEE": False, "WIDE": False}
     # V's unit stride (Triton specializes a 1 as a constant): the FP8 cache keeps V key-major ([d, L]), BF16 [L, d]
     consts["sv_l" if kv == "fp8" else "sv_d"] = 1
     return _compile_by_name(_exact_attn_kernel, types, consts, num_warps=warps, num_stages=stages)

@@ -58,7 +58,8 @@ NUM_STAGES = 2
 def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L, qk_scale,
                        sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, so_s, so_b, so_h,
                        HPG: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
+                       WIDE: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     g = tl.program_id(2).to(tl.int64)
@@ -87,7 +88,7 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
     for j in range(0, nblocks):
         keys = j * BLOCK_N + kn
         km = keys < L
-        kk = keys.to(tl.int64)
+        kk = keys.to(tl.int64) if WIDE else keys  # 32-bit offsets within a (row, group) where they fit
         kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
         vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :] * sv_d, mask=km[:, None] & dm[None, :], other=0.0)
         if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
@@ -169,12 +170,16 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
     R = max(R, tile_rows(hpg))
     grid = (triton.cdiv(S, R // hpg), b, G)
+    # a key's offset within its (row, group) in 32 bits unless it can pass 2^31 (e.g. a trainer's [s, b, g, d] K of
+    # 64 sequences x 32K tokens); the values are the same either way
+    wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
     _exact_attn_kernel[grid](
         q, k, v, k_scale, v_scale, o, q0, S, L, float(scale) * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *v.stride(),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, o.stride(0), o.stride(1), o.stride(2),
         HPG=hpg, R=R, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, KV_FP8=fp8,
-        F16=fp8 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        F16=fp8 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32, WIDE=wide, num_warps=warps,
+        num_stages=stages)
     return out
 
 
