@@ -258,7 +258,8 @@ class PrecisionConfig:
     logprob with the fused logprob kernel (``log_softmax(logits.float() / temperature)`` on the CPU); the H200's 8B
     RL step costs 1.117x bf16's instead of the default jet's 1.249x (docs/benchmarks.md). On the CPU each token is
     decoded with the trainer's own forward over the batch padded to ``model.max_position_embeddings`` positions (no
-    KV cache: slow by design). Needs ``rollout.engine=local`` and
+    KV cache: slow by design). Needs ``rollout.engine=local`` or ``serve`` (``jetrl serve`` workers run the same
+    kernels; the fleet starts them with ``--exact`` and refuses an attached worker without it) and
     ``parallel.tensor_parallel=1`` (docs/rollout.md, "Exact on-policy mode")."""
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values. ``fp8``: the in-process rollout (``rollout.engine=local`` or ``serve``) keeps an
@@ -631,8 +632,8 @@ class JetConfig:
                "rollout.weight_transport", f"{self.rollout.weight_transport} sends from one rank; pipeline stages "
                "each hold their own layers", "use rollout.weight_transport=disk with pipeline_parallel > 1")
         if self.precision.exact:
-            _check(self.rollout.engine == "local", "precision.exact", f"rollout.engine={self.rollout.engine} samples "
-                   "outside the trainer's forward", "use rollout.engine=local, or precision.exact=false")
+            _check(self.rollout.engine != "sglang", "precision.exact", "rollout.engine=sglang samples with SGLang's "
+                   "kernels, not the trainer's", "use rollout.engine=local or serve, or precision.exact=false")
             _check(p.tensor_parallel == 1, "precision.exact", "the exact logprob is taken over the whole vocabulary "
                    "on one rank", "use parallel.tensor_parallel=1, or precision.exact=false")
             _check(self.precision.backend != "te", "precision.exact", "TransformerEngine's kernels are not "

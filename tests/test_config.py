@@ -55,8 +55,9 @@ def test_every_preset_loads(preset):
                                                           r"static scale per layer.*; use rollout.engine=local or serve"),
     (["precision.kv_cache=fp8", "precision.backend=te"], r"precision.kv_cache: fp8 is applied by our SDPA attention"),
     (["precision.kv_cache=fp16"], r"precision.kv_cache: 'fp16' is not one of \['bf16', 'fp8'\]"),
-    (["precision.exact=true", "rollout.engine=serve"], r"precision.exact: rollout.engine=serve samples outside the "
-                                                       r"trainer's forward; use rollout.engine=local"),
+    (["precision.exact=true", "rollout.engine=sglang"], r"precision.exact: rollout.engine=sglang samples with "
+                                                        r"SGLang's kernels, not the trainer's; use rollout.engine=local "
+                                                        r"or serve"),
     (["precision.exact=true", "parallel.tensor_parallel=2"], r"precision.exact: the exact logprob is taken over the whole"),
     (["precision.exact=true", "precision.backend=te"], r"precision.exact: TransformerEngine's kernels are not"),
     (["precision.exact=true", "precision.mode=fp8_rollout"], r"precision.exact: fp8_rollout samples in another precision"),

@@ -289,11 +289,18 @@ def _metrics(run_dir):
      "scheduler.async_rollout=true"],
     ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor"],
     ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor", "precision.kv_cache=fp8"],
-], ids=["disagg-broadcast", "disagg-disk-async", "colocated-tensor", "colocated-tensor-fp8kv"])
+    ["scheduler.mode=disaggregated", "rollout.num_servers=2", "rollout.weight_transport=distributed",
+     "precision.exact=true"],
+    ["scheduler.mode=colocated", "rollout.num_servers=1", "rollout.weight_transport=tensor", "precision.kv_cache=fp8",
+     "precision.exact=true"],
+], ids=["disagg-broadcast", "disagg-disk-async", "colocated-tensor", "colocated-tensor-fp8kv", "disagg-broadcast-exact",
+        "colocated-tensor-fp8kv-exact"])
 def test_train_over_a_fleet(extra, tmp_path):
     """Training over ``jetrl serve`` workers, per scheduler and weight transport: the FP8 bytes verified after
     every push, the train-rollout mismatch at the emulation's rounding level; with ``precision.kv_cache=fp8`` the
-    workers run the FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) and the trainer's attention reads its values."""
+    workers run the FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) and the trainer's attention reads its values; with
+    ``precision.exact=true`` the workers run exact mode (``--exact``) and every sampled token's logprob, sent over
+    HTTP, is the trainer's bit for bit (mismatch mean and max exactly 0 in every step)."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny",
                           "--run-dir", str(run_dir), "steps=3", "algo.sft_warmup_steps=1", "rollout.engine=serve",
@@ -309,6 +316,8 @@ def test_train_over_a_fleet(extra, tmp_path):
     assert all(r["fleet_servers_up"] == n_servers and r["fleet_retries"] == 0 for r in rl)
     if "scheduler.async_rollout=true" in extra:
         assert [r["rollout_staleness"] for r in rl] == [0.0, 1.0, 1.0]
+    elif "precision.exact=true" in extra:
+        assert all(r["mismatch_abs_mean"] == 0 and r["mismatch_abs_max"] == 0 for r in rl), rl
     else:
         assert all(r["mismatch_abs_mean"] < 1e-4 for r in rl)  # the same FP8 bytes on both sides
     if "scheduler.mode=colocated" in extra:
@@ -318,6 +327,36 @@ def test_train_over_a_fleet(extra, tmp_path):
     # the servers are gone when the run ends
     log = (run_dir / "rollout_logs" / "server0.log").read_text()
     assert "jetrl serve: ready" in log and ("FP8 KV cache" in log) is ("precision.kv_cache=fp8" in extra)
+    assert ("exact, " in log) is ("precision.exact=true" in extra)
+
+
+def test_exact_fleet_refuses_a_worker_that_does_not_decode_exactly(fp8_dir, tmp_path):
+    """``precision.exact`` over attached ``jetrl serve`` workers: one started without ``--exact`` (its
+    ``/server_info`` says ``jetrl.exact`` false) is refused at attach with one line naming the fix; one started
+    with it attaches."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    for flags, ok in (((), False), (("--exact",), True)):
+        proc, client = _serve(fp8_dir, tmp_path / "server.log", *flags)
+        try:
+            assert client.server_info()["jetrl"]["exact"] is ok
+            cfg = load_config(None, ["rollout.engine=serve", f"rollout.server_addresses=[{client.url}]",
+                                     "precision.exact=true", "scheduler.mode=disaggregated",
+                                     f"logging.run_dir={tmp_path}"])
+            fleet = RolloutFleet(cfg, FP8Recipe(mode="jet", exact=True), str(tmp_path), None, colocated=False)
+            if ok:
+                fleet.start()
+                assert fleet.servers[0].up
+            else:
+                with pytest.raises(ServerError, match=r"precision.exact needs rollout workers that decode with the "
+                                                      r"trainer's kernels.*start it with jetrl serve --exact$"):
+                    fleet.start()
+            fleet.shutdown()
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["colocated", "disagg-async"])

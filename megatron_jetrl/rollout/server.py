@@ -16,7 +16,12 @@ SGLang's ``io_struct`` request classes and ``http_server`` routes; the rules tha
 - ``/weights_checker`` (``action="checksum"``) answers SGLang's per-rank checksums (BF16-dequantized
   block-FP8 weights, fused q/k/v and gate/up names: ``sync/sglang_checksum.py``) of what it serves.
 - ``/server_info`` reports ``version`` 0.5.23 (the rules it follows) and ``frontend`` ``jetrl-serve``,
-  plus a ``jetrl`` block (memory released, resident bytes).
+  plus a ``jetrl`` block (memory released, resident bytes, ``exact``).
+
+``--exact`` (``precision.exact``): the engine decodes with the trainer's batch-invariant kernels and takes each
+token's logprob with the trainer's statement, as the in-process engine does in exact mode, so a trainer with
+``rollout.engine=serve`` gets the logprobs its own forward computes, bit for bit, over HTTP (a float32 logprob
+round-trips through JSON exactly).
 
 Where it differs from SGLang (README, "SGLang compatibility"): token ids only (no tokenizer, no
 ``text``); one process (TP=1); per-token logprobs are the sampler's (``softmax(logits / temperature)``,
@@ -147,7 +152,7 @@ class ServeEngine:
     """The model, the engine over it, and the weight-update state machine."""
 
     def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto",
-                 small_m_max: int = 64, kv_cache: str = "bf16"):
+                 small_m_max: int = 64, kv_cache: str = "bf16", exact: bool = False):
         from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
         from megatron_jetrl.distributed import init_distributed
         from megatron_jetrl.models.builder import DTYPES, build_model
@@ -163,7 +168,7 @@ class ServeEngine:
             raise SystemExit(f"jetrl serve: --kv-cache-dtype fp8_e4m3 is the FP8 precision flow's KV cache; {model_path} "
                              "is a BF16 checkpoint (no block-FP8 quantization_config): serve its FP8 export")
         self.precision = PrecisionConfig(mode=mode, scale_fmt=qc.get("scale_fmt", "fp32"), backend=backend,
-                                         params_dtype=params_dtype, kv_cache=kv_cache)
+                                         params_dtype=params_dtype, kv_cache=kv_cache, exact=exact)
         self.model_cfg = ModelConfig(hf_path=model_path)
         self.model_path = model_path
         init_distributed(ParallelConfig(), seed)
@@ -601,6 +606,7 @@ def make_handler(state: ServeEngine, admin_key: str | None, max_body: int):
             released = sorted(state.offload_tags)
             return {"weight_version": state.weight_version, "version": SGLANG_VERSION, "frontend": "jetrl-serve",
                     "jetrl": {"memory_released": released, "resident_bytes": state.resident_bytes(),
+                              "exact": state.recipe.exact,
                               "requests_served": state.served, "paused": not state.running.is_set(),
                               "last_parity": state.last_parity}}
 
@@ -628,7 +634,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.server_bind()
         state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max,
-                            "fp8" if args.kv_cache_dtype == "fp8_e4m3" else "bf16")
+                            "fp8" if args.kv_cache_dtype == "fp8_e4m3" else "bf16", args.exact)
         state.weight_version = str(args.weight_version)
         server.RequestHandlerClass = make_handler(state, args.admin_api_key, int(args.max_body_mb * (1 << 20)))
         server.server_activate()
@@ -638,7 +644,7 @@ def serve(args: argparse.Namespace) -> int:
     server.daemon_threads = True
     print(f"jetrl serve: ready on http://{args.host}:{server.server_address[1]} "
           f"({state.model_cfg.model_type}, {'block FP8' if state.recipe.rollout_fp8 else 'BF16'}, "
-          f"{'FP8 KV cache, ' if state.recipe.rollout_kv_fp8 else ''}"
+          f"{'FP8 KV cache, ' if state.recipe.rollout_kv_fp8 else ''}{'exact, ' if state.recipe.exact else ''}"
           f"weight_version {state.weight_version})", flush=True)
     try:
         server.serve_forever()
@@ -664,6 +670,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
                     help="fp8_e4m3: the FP8 KV cache of precision.kv_cache=fp8 (E4M3 per token and KV head, power-of-two "
                          "scales: the values a jet trainer's attention reads; not SGLang's per-layer static scale); "
                          "needs a block-FP8 checkpoint")
+    ap.add_argument("--exact", action="store_true",
+                    help="exact on-policy mode (precision.exact): the trainer's batch-invariant kernels and logprob "
+                         "statement, so every sampled token's logprob is the trainer's bit for bit (docs/rollout.md)")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

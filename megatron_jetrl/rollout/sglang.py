@@ -103,6 +103,8 @@ def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
             "--seed", str(cfg.seed + index), "--weight-version", "0",
             "--small-m-max", str(cfg.precision.small_m_max),
             "--kv-cache-dtype", "fp8_e4m3" if cfg.precision.kv_cache == "fp8" else "auto"]
+    if cfg.precision.exact:
+        argv.append("--exact")
     if cfg.rollout.admin_api_key:
         argv += ["--admin-api-key", cfg.rollout.admin_api_key]
     return argv
@@ -473,9 +475,13 @@ class RolloutFleet:
         s.up = True
 
     def _ready(self, s: Server) -> None:
-        """A server just (re)started or attached: its SGLang version is checked; colocated, it releases
-        all its GPU memory (weights, KV cache, CUDA graphs) for the trainer until a phase resumes it."""
-        s.client.check_version()
+        """A server just (re)started or attached: its SGLang version is checked, and in exact mode that it decodes
+        exactly (``jetrl serve --exact``); colocated, it releases all its GPU memory (weights, KV cache, CUDA
+        graphs) for the trainer until a phase resumes it."""
+        info = s.client.check_version()
+        if self.recipe.exact and (info.get("jetrl") or {}).get("exact") is not True:
+            raise ServerError(f"{s.client.url}: precision.exact needs rollout workers that decode with the trainer's "
+                              "kernels; this server does not report exact mode: start it with jetrl serve --exact")
         s.released = set()
         if self.colocated:
             self._release(s, list(MEMORY_TAGS))
