@@ -330,6 +330,20 @@ def test_train_over_a_fleet(extra, tmp_path):
     assert ("exact, " in log) is ("precision.exact=true" in extra)
 
 
+def test_serve_exact_refuses_a_moe_model_at_start(tmp_path):
+    """``jetrl serve --exact`` where the exact kernels run (the GPU; Triton's interpreter here) refuses a MoE model
+    when it starts, with one line (its router's GEMM is not batch-invariant there), not at its first request."""
+    make_hf_model("qwen3_moe", str(tmp_path / "bf16"))
+    fp8 = make_fp8_dir(str(tmp_path / "bf16"), str(tmp_path / "fp8"))
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "serve", "--model-path", fp8, "--port",
+                          str(free_ports(1)), "--params-dtype", "fp32", "--exact"], env=dict(ENV, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("jetrl serve: --exact: precision.exact: the MoE router's GEMM is "
+                                                   "not batch-invariant on the GPU; set precision.exact=false for MoE "
+                                                   "models"), out.stderr[-2000:]
+
+
 def test_exact_fleet_refuses_a_worker_that_does_not_decode_exactly(fp8_dir, tmp_path):
     """``precision.exact`` over attached ``jetrl serve`` workers: one started without ``--exact`` (its
     ``/server_info`` says ``jetrl.exact`` false) is refused at attach with one line naming the fix; one started

@@ -67,6 +67,15 @@ def unwrap(model):
     return model
 
 
+def exact_refusal(model) -> str | None:
+    """Why the static decoder cannot run exact mode (``precision.exact``) for ``model`` on the GPU, as one line, or
+    None: a MoE router's GEMM is not batch-invariant there (the CPU emulation decodes MoE models exactly)."""
+    if any(getattr(layer.mlp, "router", None) is not None for layer in unwrap(model).decoder.layers):
+        return ("config error: precision.exact: the MoE router's GEMM is not batch-invariant on the GPU; "
+                "set precision.exact=false for MoE models")
+    return None
+
+
 def fingerprint(model) -> tuple:
     """Data pointers of every parameter and cached FP8 weight: a captured graph is valid while
     this is unchanged (it replays reads of these addresses). A released BF16 weight (jet training's
@@ -134,11 +143,10 @@ class StaticDecoder:
         # the batch-invariant kernels (kernels/exact_gemm.py, kernels/exact_attn.py; CUDA, or Triton's CPU
         # interpreter): a row's logits are the trainer's bits
         self.exact = exact
-        if exact and moe:
+        if exact and exact_refusal(model):
             from megatron_jetrl.errors import ConfigError
 
-            raise ConfigError("config error: precision.exact: the MoE router's GEMM is not batch-invariant on the GPU; "
-                              "set precision.exact=false for MoE models")
+            raise ConfigError(exact_refusal(model))
         if exact and not (self.device.type == "cuda" or triton_interpreted()):
             raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
