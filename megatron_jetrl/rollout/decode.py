@@ -143,10 +143,11 @@ class StaticDecoder:
         # the batch-invariant kernels (kernels/exact_gemm.py, kernels/exact_attn.py; CUDA, or Triton's CPU
         # interpreter): a row's logits are the trainer's bits
         self.exact = exact
-        if exact and exact_refusal(model):
+        why = exact_refusal(model) if exact else None
+        if why:
             from megatron_jetrl.errors import ConfigError
 
-            raise ConfigError(exact_refusal(model))
+            raise ConfigError(why)
         if exact and not (self.device.type == "cuda" or triton_interpreted()):
             raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches
