@@ -296,8 +296,9 @@ def test_exact_mode_static_decoder_on_the_exact_kernels_under_the_interpreter(mo
     each left-padded row's own positions), the linears' GEMMs and the LM head on ``kernels/exact_gemm.py``; the
     trainer's forward on the same kernels (micro-batches of 3, no common padded length). Every sampled token's logprob
     equals the trainer's, bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 12 new tokens (the FP8 KV
-    cache too); the exact kernels are the ones called. With the decode steps' key blocks of 16 instead of the
-    trainer's 64 the logprobs differ (the key order is what makes it exact)."""
+    cache too); the exact kernels are the ones called; a prefill in chunks of 5 rows gives the same tokens and
+    logprobs (FP8 KV cache). With the decode steps' key blocks of 16 instead of the trainer's 64 the logprobs differ
+    (the key order is what makes it exact)."""
     make_hf_model("qwen3", str(tmp_path), seed=9)
     code = r'''
 import sys, torch
@@ -326,6 +327,13 @@ for B in (2, 9):
     diffs.append(((lp - batch.rollout_logp).abs() * batch.mask).max().item())
 assert engine._decoder.exact and 1 in calls, calls  # decode steps (one query) on the kernel
 assert diffs == [0.0, 0.0], diffs
+# the prefill in chunks of 5 rows (each chunk's rows write the position-indexed cache at their own offsets): the same
+if sys.argv[2] == "jet+fp8kv":
+    whole = engine.generate(prompts, params, list(range(B)))
+    engine._decoder.prefill_tokens = 5 * 19
+    assert engine._decoder.prefill_rows(19) == 5 < engine._decoder.B
+    chunked = engine.generate(prompts, params, list(range(B)))
+    assert [(g.output_ids, g.output_logprobs) for g in chunked] == [(g.output_ids, g.output_logprobs) for g in whole]
 # the decode steps' keys in blocks of 16, the trainer's in blocks of 64: other bits
 exact_attn.exact_attention = lambda *a, **k: orig(*a, **(dict(k, plan=(16, 4, 2, 16)) if a[0].shape[0] == 1 else k))
 assert rollout_train_gap(engine, model, prompts, params, 3, True) > 0
