@@ -103,7 +103,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     cuda = torch.cuda.is_available()
     # first rollout: graph capture, Triton compiles; for long rollouts a shorter one on the full-length decoder
     # (the timed rollout's own captures, of buckets the warm-up did not reach, are taken out of its time)
-    if engine.decode == "static":
+    if engine.static_decoding:
         engine._static_decoder(batch, prompt_len + new_tokens)
     engine.generate(prompts, SamplingParams(min(new_tokens, WARMUP_TOKENS), 1.0, 1.0, 0, ()))
     first = dict(engine.last_stats)

@@ -99,15 +99,21 @@ class LocalEngine:
         engine's generator."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        if self.static_decoding:
+            return self._generate_static(prompts, params, seeds)
+        if self.fp8_state is not None and self.fp8_state.recipe.exact:
+            return self._generate_exact(prompts, params, seeds)
+        return self._generate_megatron(prompts, params, seeds)
+
+    @property
+    def static_decoding(self) -> bool:
+        """Whether :meth:`generate` runs the static decoder: ``decode=static``, and in exact mode wherever the
+        batch-invariant kernels run (elsewhere exact mode decodes with the trainer's forward, ``_generate_exact``)."""
         if self.fp8_state is not None and self.fp8_state.recipe.exact:
             from megatron_jetrl.precision.linear import exact_kernels
 
-            if exact_kernels(self.device):  # the static decoder on the batch-invariant kernels
-                return self._generate_static(prompts, params, seeds)
-            return self._generate_exact(prompts, params, seeds)
-        if self.decode == "static":
-            return self._generate_static(prompts, params, seeds)
-        return self._generate_megatron(prompts, params, seeds)
+            return exact_kernels(self.device)
+        return self.decode == "static"
 
     def _finish(self, prompts, out_ids, out_lp, params) -> list[Generation]:
         ids = torch.stack(out_ids, 1).tolist()
