@@ -148,7 +148,10 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
            "prompt_len": prompt_len, "new_tokens": steps,
-           "decode": r.decode, "attention": "triton" if getattr(dec, "triton_attn", False) else "sdpa",  # what ran
+           # what ran: exact mode decodes on the static decoder's exact kernels, or (CPU) with the trainer's forward
+           "decode": ("static" if engine.static_decoding else "trainer forward") if state.recipe.exact else r.decode,
+           "attention": ("exact" if getattr(dec, "exact", False)
+                         else "triton" if getattr(dec, "triton_attn", False) else "sdpa"),
            "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
