@@ -149,7 +149,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
            "prompt_len": prompt_len, "new_tokens": steps,
            # what ran: exact mode decodes on the static decoder's exact kernels, or (CPU) with the trainer's forward
-           "decode": ("static" if engine.static_decoding else "trainer forward") if state.recipe.exact else r.decode,
+           "decode": "static" if engine.static_decoding else "trainer forward" if state.recipe.exact else r.decode,
            "attention": ("exact" if getattr(dec, "exact", False)
                          else "triton" if getattr(dec, "triton_attn", False) else "sdpa"),
            "cuda_graphs": bool(st.get("cuda_graphs", False)),

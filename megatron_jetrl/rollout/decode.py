@@ -68,10 +68,11 @@ def unwrap(model):
 
 
 def exact_refusal(model) -> str | None:
-    """Why the static decoder cannot run exact mode (``precision.exact``) for ``model`` on the GPU, as one line, or
-    None: a MoE router's GEMM is not batch-invariant there (the CPU emulation decodes MoE models exactly)."""
+    """Why the static decoder cannot run exact mode (``precision.exact``) for ``model`` on the GPU, as one line
+    (field: problem; fix), or None: a MoE router's GEMM is not batch-invariant there (the CPU emulation decodes MoE
+    models exactly)."""
     if any(getattr(layer.mlp, "router", None) is not None for layer in unwrap(model).decoder.layers):
-        return ("config error: precision.exact: the MoE router's GEMM is not batch-invariant on the GPU; "
+        return ("precision.exact: the MoE router's GEMM is not batch-invariant on the GPU; "
                 "set precision.exact=false for MoE models")
     return None
 
@@ -147,7 +148,7 @@ class StaticDecoder:
         if why:
             from megatron_jetrl.errors import ConfigError
 
-            raise ConfigError(why)
+            raise ConfigError(f"config error: {why}")
         if exact and not (self.device.type == "cuda" or triton_interpreted()):
             raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
         # ... and the next FP8 linear's activation quantization in that kernel too (64 quantizer launches

@@ -179,13 +179,12 @@ class ServeEngine:
         load_hf_weights(self.model, self.model_cfg, model_path, self.fp8_state)
         self.engine = LocalEngine(self.model, self.fp8_state, pad_id=0, seed=seed,
                                   vocab_size=self.model_cfg.vocab_size, model_cfg=self.model_cfg)
-        if exact:
-            from megatron_jetrl.precision.linear import exact_kernels
+        if exact and self.engine.static_decoding:  # refused at start, not at the first request
             from megatron_jetrl.rollout.decode import exact_refusal
 
-            why = exact_refusal(self.model) if exact_kernels(self.engine.device) else None
-            if why:  # refused at start, not at the first request
-                raise SystemExit(f"jetrl serve: --exact: {why.removeprefix('config error: ')}")
+            why = exact_refusal(self.model)
+            if why:
+                raise SystemExit(f"jetrl serve: --exact: {why}")
         self.export_opts = ExportOptions(fp8=self.recipe.rollout_fp8, dtype=self.dtype)
         # What a complete update carries: every tensor the rollout runs with, by HF name.
         self.manifest = {n: (tuple(t.shape), t.dtype) for n, t in iter_hf_tensors(self.model, self.model_cfg, self.export_opts)}
