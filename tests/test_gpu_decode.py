@@ -153,6 +153,8 @@ def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
     assert same_bytes(kc[:, :, idx], kq) and same_bytes(vc[:, :, idx], vq)
     assert torch.equal(ks[:, :, idx], ksc) and torch.equal(vs[:, :, idx], vsc)
     assert same_bytes(kv_qdq(k, recipe), kv_qdq(k, recipe, use_triton=False))
+    for got, want in zip(kv_qdq(k, recipe, with_bytes=True), kv_qdq(k, recipe, use_triton=False, with_bytes=True)):
+        assert same_bytes(got, want)
     # exact mode's cache, indexed by position (each row's tokens at columns idx - shift, V key-major; a prefill's
     # left pads, at negative columns, not written): the bytes and scales of the decoder's torch write
     shift = pads if S == 1 else pads + pos + 1

@@ -354,6 +354,8 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     kv = qkv[..., hpg * D:hpg * D + D]  # a strided view, as the fused QKV split returns
     kb, kbs = kernel_bytes(kv)
     assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * kbs[..., None])
+    q8, s8, y8 = kv_qdq_triton(kv, kv_rule(recipe), with_bytes=True)  # the same pass, with the bytes and scales
+    assert torch.equal(q8.view(torch.uint8), kb) and torch.equal(s8, kbs) and torch.equal(y8, kv_qdq_triton(kv, kv_rule(recipe)))
 for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 69, 3), (2, 4, 1, 32, 20, 0, 2)):
     q = torch.randn(b, H, D, generator=g)
     kq, ks = quantize_kv(torch.randn(b, G, L, D, generator=g) * 4, recipe)

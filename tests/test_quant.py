@@ -147,9 +147,16 @@ def test_kv_cache_quantizer_follows_the_rule(dtype, scale_fmt):
         assert torch.equal(deq.float(), q.float() * s[..., None])  # exact in BF16
         y = kv_qdq(x4, recipe)
         assert y.dtype == dtype and torch.equal(y.float(), deq.float()) and torch.equal(kv_qdq(y, recipe), y)
+        qb, sb, yb = kv_qdq(x4, recipe, with_bytes=True)
+        assert torch.equal(qb.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sb, s) and torch.equal(yb, y)
     xg = x4.float().requires_grad_()
     dy = torch.randn_like(xg)
     kv_fake_quant(xg, recipe).backward(dy)
+    assert torch.equal(xg.grad, dy)
+    xg.grad = None
+    yg, qg, sg = kv_fake_quant(xg, recipe, with_bytes=True)  # the bytes carry no gradient; the values straight through
+    assert not (qg.requires_grad or sg.requires_grad) and torch.equal(yg, kv_qdq(xg.detach(), recipe))
+    yg.backward(dy)
     assert torch.equal(xg.grad, dy)
     with pytest.raises(ValueError, match="kv_cache=fp8 needs mode jet"):
         FP8Recipe(mode="bf16", kv_cache="fp8")

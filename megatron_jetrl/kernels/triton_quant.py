@@ -438,9 +438,10 @@ def transpose_bytes_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _kv_qdq_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BYTES: tl.constexpr):
     # BLOCK_M rows (a token's KV head each) of D values: amax, the ue8m0 scale, the E4M3 cast and back, in one pass
+    # (BYTES: the E4M3 bytes [M, D] and scales [M] stored too)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
@@ -450,20 +451,30 @@ def _kv_qdq_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D:
     q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
     y = q.to(tl.float32) * scale_inv[:, None]  # exact: an E4M3 value times a power of two
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if BYTES:
+        tl.store(q_ptr + rows[:, None] * D + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows, scale_inv, mask=rows < M)
 
 
-def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
     """``quant.kv_qdq`` on CUDA: ``x [..., d]`` (any strides with a unit last one) -> a new contiguous tensor of
-    ``x``'s shape and dtype; ``recipe`` is the KV rule (``quant.kv_rule``: ue8m0 scales)."""
+    ``x``'s shape and dtype; ``recipe`` is the KV rule (``quant.kv_rule``: ue8m0 scales). ``with_bytes``: returns
+    ``(q [..., d] e4m3, scale_inv [...] fp32, values)`` from the same pass (``quant.quantize_kv``'s bytes and
+    scales)."""
     if recipe.scale_fmt != "ue8m0":
         raise ValueError("kv_qdq_triton: the FP8 KV cache's scales are powers of two (pass quant.kv_rule(recipe))")
     D = x.shape[-1]
     x2 = rows_2d(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     M = x2.shape[0]
+    q = torch.empty(x2.shape if with_bytes else (0,), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M if with_bytes else 0, dtype=torch.float32, device=x.device)
     if M:
         block_m = 8
-        _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
+        _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, q, s, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
                                                    recipe.fp8_max, recipe.amax_eps, D=D,
-                                                   BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, num_warps=4)
+                                                   BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m,
+                                                   BYTES=with_bytes, num_warps=4)
+    if with_bytes:
+        return q.view(x.shape), s.view(x.shape[:-1]), y.view(x.shape)
     return y.view(x.shape)

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_jetrl.precision.linear import FP8LinearMixin, exact_kernels
-from megatron_jetrl.precision.quant import kv_fake_quant, quantize_kv
+from megatron_jetrl.precision.quant import kv_fake_quant
 
 
 class FP8ColumnParallelLinear(FP8LinearMixin, ColumnParallelLinear):
@@ -72,9 +72,10 @@ class SDPAttention(MegatronModule):
 
             kv8 = None
             if state.forward_kv_fp8:  # the cache's bytes and scales for the kernel, their values for the backward
-                kv8 = (*quantize_kv(key.detach().permute(1, 2, 0, 3), state.recipe),
-                       *quantize_kv(value.detach().permute(1, 2, 0, 3), state.recipe))
-                key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)
+                key, kq, ks = kv_fake_quant(key, state.recipe, with_bytes=True)  # one pass each: [s, b, groups, d]
+                value, vq, vs = kv_fake_quant(value, state.recipe, with_bytes=True)
+                kv8 = (kq.permute(1, 2, 0, 3), ks.permute(1, 2, 0).contiguous(),
+                       vq.permute(1, 2, 0, 3), vs.permute(1, 2, 0).contiguous())
             return ExactAttention.apply(query, key, value, self.softmax_scale, kv8)
         if state is not None and state.forward_kv_fp8:  # the FP8 KV cache's values; straight-through backward
             key, value = kv_fake_quant(key, state.recipe), kv_fake_quant(value, state.recipe)

@@ -241,31 +241,41 @@ def dequantize_kv(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) 
     return (q.float() * scale_inv[..., None]).to(dtype)
 
 
-def kv_qdq(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None) -> torch.Tensor:
+def kv_qdq(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None, with_bytes: bool = False):
     """``dequantize_kv(*quantize_kv(x))`` in ``x``'s dtype: the keys or values both sides of the unified FP8 KV
-    cache attend over. On CUDA one Triton pass (``kernels/triton_quant.kv_qdq_triton``, the same values)."""
+    cache attend over. On CUDA one Triton pass (``kernels/triton_quant.kv_qdq_triton``, the same values).
+    ``with_bytes``: ``(q, scale_inv, values)``, :func:`quantize_kv`'s bytes and scales with the values (one pass)."""
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
         from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
 
-        return kv_qdq_triton(x, kv_rule(recipe))
-    return dequantize_kv(*quantize_kv(x, recipe), x.dtype)
+        return kv_qdq_triton(x, kv_rule(recipe), with_bytes)
+    q, s = quantize_kv(x, recipe)
+    y = dequantize_kv(q, s, x.dtype)
+    return (q, s, y) if with_bytes else y
 
 
 class _KVFakeQuant(torch.autograd.Function):
     """Forward :func:`kv_qdq`; backward the identity (a straight-through estimator: the gradient of the rounding
-    is taken as 1, as for every FP8 cast in the recipe's backward)."""
+    is taken as 1, as for every FP8 cast in the recipe's backward). The bytes and scales (``with_bytes``) carry no
+    gradient."""
 
     @staticmethod
-    def forward(ctx, x, recipe):
-        return kv_qdq(x, recipe)
+    def forward(ctx, x, recipe, with_bytes):
+        if not with_bytes:
+            return kv_qdq(x, recipe)
+        q, s, y = kv_qdq(x, recipe, with_bytes=True)
+        ctx.mark_non_differentiable(q, s)
+        return y, q, s
 
     @staticmethod
-    def backward(ctx, dy):
-        return dy, None
+    def backward(ctx, dy, *_):
+        return dy, None, None
 
 
-def kv_fake_quant(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """The training forward's keys/values with the FP8 KV cache: :func:`kv_qdq`, straight-through in backward."""
-    return _KVFakeQuant.apply(x, recipe)
+def kv_fake_quant(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
+    """The training forward's keys/values with the FP8 KV cache: :func:`kv_qdq`, straight-through in backward.
+    ``with_bytes``: ``(values, q, scale_inv)``, the cache's bytes and scales of ``x`` too (exact mode's attention
+    kernel reads them; the values are their dequantization, for the backward)."""
+    return _KVFakeQuant.apply(x, recipe, with_bytes)
