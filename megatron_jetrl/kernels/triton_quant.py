@@ -467,8 +467,10 @@ def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
     x2 = rows_2d(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     M = x2.shape[0]
-    q = torch.empty(x2.shape if with_bytes else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M if with_bytes else 0, dtype=torch.float32, device=x.device)
+    q = s = y  # unused (BYTES off)
+    if with_bytes:
+        q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block_m = 8
         _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, q, s, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
