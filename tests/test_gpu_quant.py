@@ -132,3 +132,63 @@ def test_dual_gradient_quantizer_bit_identical(M, N, dtype, scale_fmt):
     qtp, stp = quantize_dual(d, recipe, scale_col_major=True, pad_to=512)[2:]  # wgrad operand padded to 512 tokens
     qtrp, strp = quantize_transposed(d, recipe, False, use_triton=False, pad_to=512)
     assert same_bytes(qtp, qtrp) and torch.equal(stp, strp) and qtp.shape[1] % 512 == 0
+
+
+def test_quantizers_past_2_31_elements():
+    """Past 2^31 elements a 32-bit element offset wraps (fc1's [tokens, 2 x 28672] output of a 70B micro-batch from
+    37,450 tokens on): over a [37,504 x 57,344] BF16 tensor (2^31 + 2.7M elements) the quantizers, the SwiGLU
+    kernels, the byte transpose, the KV quantizer and the RMSNorm kernels write in the last rows (and the last
+    token groups of the transposed outputs) what the same kernels write for those rows alone."""
+    from megatron_jetrl.kernels import triton_quant as tq
+    from megatron_jetrl.kernels.layout import wide_offsets
+    from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant, rmsnorm_backward
+    from megatron_jetrl.precision.quant import kv_rule
+
+    r = FP8Recipe()
+    M, N, T = 37504, 57344, 256  # T: the tail compared (two 128-token groups)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn((M, N), device="cuda", dtype=torch.bfloat16, generator=g)
+    assert wide_offsets(y) and not wide_offsets(y[-T:])
+    tail = y[-T:].contiguous()
+
+    def eq(a, b):
+        return a.shape == b.shape and (same_bytes(a, b) if a.element_size() == 1 else torch.equal(a, b))
+
+    q, s = tq.quantize_act_triton(y, r)
+    qt_, st_ = tq.quantize_act_triton(tail, r)
+    assert eq(q[-T:], qt_) and eq(s[-T:], st_)
+    t = tq.transpose_bytes_triton(q)
+    assert eq(t[:, -T:], q[-T:].t().contiguous())
+    del t
+    q, s, qt, st = tq.quantize_dual_triton(y, r, scale_col_major=True)
+    rq, rs, rqt, rst = tq.quantize_dual_triton(tail, r, scale_col_major=True)
+    assert eq(q[-T:], rq) and eq(s[-T:], rs) and eq(qt[:, -T:], rqt) and eq(st[:, -2:], rst)
+    del q, s, qt, st
+    qt, st = tq.quantize_transposed_triton(y, r, tile_scale=False)
+    assert eq(qt[:, -T:], rqt) and eq(st[:, -2:], rst)
+    del qt, st
+    q, s = tq.swiglu_quant_triton(y, r)
+    rq, rs = tq.swiglu_quant_triton(tail, r)
+    assert eq(q[-T:], rq) and eq(s[-T:], rs)
+    del q, s
+    a = tq.swiglu_triton(y)
+    assert eq(a[-T:], tq.swiglu_triton(tail))
+    dy = tq.swiglu_backward_triton(y, a)
+    assert eq(dy[-T:], tq.swiglu_backward_triton(tail, a[-T:].contiguous()))
+    del a, dy
+    kq, ks, kv = tq.kv_qdq_triton(y.view(-1, 8, 128), kv_rule(r), with_bytes=True)
+    rkq, rks, rkv = tq.kv_qdq_triton(tail.view(-1, 8, 128), kv_rule(r), with_bytes=True)
+    n = rkq.shape[0]
+    assert eq(kq[-n:], rkq) and eq(ks[-n:], rks) and eq(kv[-n:], rkv)
+    del kq, ks, kv
+    h = y.view(-1, 8192)  # RMSNorm over 8192-wide rows: 262,528 of them
+    w = torch.rand(8192, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    rows = tail.numel() // 8192
+    _, hn, (q, s) = add_rmsnorm_quant(h, None, w, 1e-5, r)
+    _, rhn, (rq, rs) = add_rmsnorm_quant(h[-rows:].contiguous(), None, w, 1e-5, r)
+    assert eq(hn[-rows:], rhn) and eq(q[-rows:], rq) and eq(s[-rows:], rs)
+    del q, s
+    rstd = torch.rand(h.shape[0], device="cuda", generator=g) + 0.5
+    dx, _ = rmsnorm_backward(h, hn, w, rstd)
+    rdx, _ = rmsnorm_backward(h[-rows:].contiguous(), rhn, w, rstd[-rows:].contiguous())
+    assert eq(dx[-rows:], rdx)

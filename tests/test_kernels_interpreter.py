@@ -217,6 +217,49 @@ print("ok")
     run_interpreted(code)
 
 
+def test_quantizers_64_bit_offsets_under_the_interpreter():
+    """Past 2^31 elements (``layout.wide_offsets``) the quantizers and SwiGLU kernels index in 64 bits; their
+    64-bit variants, forced here on small ragged shapes under Triton's CPU interpreter, write the bytes, scales
+    and values of the 32-bit ones (the H200 runs them past 2^31 for real: tests/test_gpu_quant.py). Also the
+    rule itself, on meta tensors: the largest offset is the sum of (size - 1) x stride."""
+    code = r'''
+import torch
+from megatron_jetrl.kernels import triton_quant as tq
+from megatron_jetrl.kernels.layout import wide_offsets
+from megatron_jetrl.precision.quant import kv_rule
+from megatron_jetrl.precision.recipe import FP8Recipe
+meta = lambda *shape: torch.empty(shape, device="meta")
+assert wide_offsets(meta(37450, 57344)) and not wide_offsets(meta(37449, 57344))  # fc1's out, 70B: 2^31 at 37,450 rows
+assert wide_offsets(meta(2, 2 ** 31)) and not wide_offsets(meta(2, 2 ** 30), meta(0, 2 ** 40))
+assert wide_offsets(meta(3, 2 ** 20).as_strided((2, 8), (2 ** 31, 1)))  # by strides, not by size
+g = torch.Generator().manual_seed(0)
+r, r8 = FP8Recipe(mode="jet"), FP8Recipe(mode="jet", scale_fmt="ue8m0")
+def every(x, y, da, f8):
+    out = [*tq.quantize_act_triton(x, r), *tq.quantize_act_triton(x, r8, True, plan=(8, 2, 4, 1)),
+           *tq.quantize_transposed_triton(x, r, False), *tq.quantize_transposed_triton(x, r8, True, pad_to=512),
+           *tq.quantize_weight_triton(x, r), *tq.swiglu_quant_triton(y, r), tq.swiglu_triton(y),
+           tq.swiglu_backward_triton(y, da), *tq.quantize_dual_triton(x, r, True, plan=(32, 4)),
+           *tq.quantize_dual_triton(x, r8, False), tq.transpose_bytes_triton(f8),
+           *tq.kv_qdq_triton(x[:, :128].reshape(-1, 2, 64), kv_rule(r), with_bytes=True)]
+    return [t.view(torch.uint8) if t.element_size() == 1 else t for t in out]
+for M, N in ((300, 200), (129, 384)):
+    x = torch.randn(M, N, generator=g) * 3
+    x[:, :5] *= 40
+    y = torch.randn(M, 2 * N, generator=g) * 3
+    da = torch.randn(M, N, generator=g)
+    f8 = (x * 10).to(torch.float8_e4m3fn)
+    narrow = every(x, y, da, f8)
+    tq.wide_offsets = lambda *t: True
+    wide = every(x, y, da, f8)
+    tq.wide_offsets = wide_offsets
+    assert len(narrow) == len(wide) == 26
+    for i, (a, b) in enumerate(zip(narrow, wide)):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), (M, N, i)
+print("ok")
+'''
+    run_interpreted(code)
+
+
 def test_rope_and_cache_kernel_under_the_interpreter():
     """The static decoder's RoPE + KV-cache kernel (CUDA in production) under Triton's CPU
     interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's; tests/test_gpu_*.py checks

@@ -15,6 +15,13 @@ def rows_2d(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into any of ``tensors`` can reach 2^31 (the largest is the sum of (size - 1) x stride):
+    the Triton kernels then index in 64 bits (e.g. fc1's [tokens, 2 x 28672] output from 37,450 tokens, a 70B
+    micro-batch of long responses) and in 32 bits below it (the code the benchmarks measured)."""
+    return any(t.numel() and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+
+
 def act_outputs(M: int, K: int, recipe: FP8Recipe, device, scale_col_major: bool):
     """Empty (q [M, K], scale_inv [M, groups]) for a 1xG quantizer; column-major scales (strides
     (1, M)) when asked, the form ``scaled_mm`` wants."""

@@ -61,7 +61,7 @@ def _rmsnorm_bwd_kernel(x_ptr, dy_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, N, s
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS rows: dx = rstd * (g - n * mean(g * n)) with n = x * rstd, g = dy * w (fp32), and this
     program's partial sum of dy * n for dw."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit row offsets (a scalar per row: free)
     cols = tl.arange(0, BLOCK)
     cm = cols < N
     w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
@@ -107,7 +107,7 @@ def _rmsnorm_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, q_ptr, s_ptr, rstd_ptr
     (fp32, one rounding), optional 1x128 quantization (one scale per tile row: the quantizer's
     groups, no reshape of the row). Every variant reduces the sum of squares in the same order, so
     the norm's bytes do not depend on the add or the quantization being fused."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit row offsets (a scalar per row: free)
     offs = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = offs < N
     x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)

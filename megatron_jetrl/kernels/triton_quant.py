@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from megatron_jetrl.kernels.layout import act_outputs, rows_2d, transposed_outputs
+from megatron_jetrl.kernels.layout import act_outputs, rows_2d, transposed_outputs, wide_offsets
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.env import triton_interpreted
 
@@ -49,12 +49,15 @@ def quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, st
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                       inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      UE8M0: tl.constexpr, NG: tl.constexpr = 1, STREAM: tl.constexpr = False):
+                      UE8M0: tl.constexpr, NG: tl.constexpr = 1, STREAM: tl.constexpr = False,
+                      WIDE: tl.constexpr = False):
     # One program: BLOCK_M rows x NG consecutive G-wide groups (one scale per row and group); STREAM
-    # (NG > 1 only) loads x with the evict-first cache hint.
+    # (NG > 1 only) loads x with the evict-first cache hint. WIDE: 64-bit element offsets (wide_offsets)
     pid_m = tl.program_id(0)
     g0 = tl.program_id(1) * NG
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:
+        rows = rows.to(tl.int64)
     if NG == 1:
         cols = g0 * G + tl.arange(0, G)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -115,7 +118,8 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
         _act_quant_kernel[grid](x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                 BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0", NG=groups,
-                                STREAM=bool(stream and stream[0]) and groups > 1, num_warps=warps)
+                                STREAM=bool(stream and stream[0]) and groups > 1, WIDE=wide_offsets(x2, q),
+                                num_warps=warps)
     if scale_col_major:
         return q.view(*lead, K), s
     return q.view(*lead, K), s.view(*lead, ng)
@@ -124,7 +128,7 @@ def quantize_act_triton(x: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
 @triton.jit
 def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, stride_qc, stride_sc,
                     inv_max, fmax, eps, G: tl.constexpr, DEQUANT: tl.constexpr,
-                    TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr, TRANSPOSE: tl.constexpr):
+                    TILE_SCALE: tl.constexpr, UE8M0: tl.constexpr, TRANSPOSE: tl.constexpr, WIDE: tl.constexpr):
     # Tile [G rows (r), G cols (c)] of x [R, C]. TRANSPOSE: writes y = x^T [C, R] quantized with
     # groups of G along r: one scale per output row (1xG, TILE_SCALE=False) or per tile (GxG).
     # Not TRANSPOSE (weights): x itself in GxG blocks, scale [R/G, C/G].
@@ -132,6 +136,9 @@ def _quant_t_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xsr, st
     pid_c = tl.program_id(1)
     rows = pid_r * G + tl.arange(0, G)
     cols = pid_c * G + tl.arange(0, G)
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if DEQUANT:  # x is fp8 with one scale per (row, G-column group): exact same product as torch
@@ -173,7 +180,8 @@ def quantize_transposed_triton(x: torch.Tensor, recipe: FP8Recipe, tile_scale: b
         _quant_t_kernel[(rb, cb)](x, xs, q, s, R, C, x.stride(0), xs.stride(0), q.stride(0), s.stride(0),
                                   1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G,
                                   DEQUANT=x_scale is not None, TILE_SCALE=tile_scale,
-                                  UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, num_warps=8)
+                                  UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=True, WIDE=wide_offsets(x, q),
+                                  num_warps=8)
     return q, s
 
 
@@ -198,7 +206,7 @@ def quantize_weight_triton(w: torch.Tensor, recipe: FP8Recipe, out: tuple[torch.
         _quant_t_kernel[(rb, cb)](w, s, q, s, R, C, w.stride(0), s.stride(0), q.stride(0), s.stride(0),
                                   1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, DEQUANT=False,
                                   TILE_SCALE=True, UE8M0=recipe.scale_fmt == "ue8m0", TRANSPOSE=False,
-                                  num_warps=8)
+                                  WIDE=wide_offsets(w, q), num_warps=8)
     return q, s
 
 
@@ -224,12 +232,14 @@ def _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16: tl.constexpr
 @triton.jit
 def _swiglu_quant_kernel(y_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm, stride_sm, stride_sg,
                          inv_max, fmax, eps, G: tl.constexpr, BLOCK_M: tl.constexpr, UE8M0: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                         ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, WIDE: tl.constexpr):
     """a = silu(gate) * up for y = [gate | up] (Megatron's fused fc1 output), rounded as the eager
     torch ops round it (silu to the input dtype, then the product), quantized in 1xG groups."""
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        rows = rows.to(tl.int64)
     cols = g * G + tl.arange(0, G)
     mask = (rows[:, None] < M) & (cols[None, :] < F)
     a = _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16, LIBDEVICE_EXP)
@@ -256,7 +266,7 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
             y2, q, s, M, F, y2.stride(0), q.stride(0), s.stride(0), s.stride(1), 1.0 / recipe.fp8_max,
             recipe.fp8_max, recipe.amax_eps, G=G, BLOCK_M=block_m, UE8M0=recipe.scale_fmt == "ue8m0",
             ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(),
-            num_warps=4)
+            WIDE=wide_offsets(y2, q), num_warps=4)
     if scale_col_major:
         return q.view(*lead, F), s
     return q.view(*lead, F), s.view(*lead, ng)
@@ -264,12 +274,14 @@ def swiglu_quant_triton(y: torch.Tensor, recipe: FP8Recipe, scale_col_major: boo
 
 @triton.jit
 def _swiglu_kernel(y_ptr, a_ptr, M, F, stride_ym, stride_am, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                   ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, WIDE: tl.constexpr):
     """a = silu(gate) * up for y = [gate | up], written in ``a``'s dtype and rounded as the eager torch
     ops round it (``_swiglu_quant_kernel``'s arithmetic without the quantization)."""
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        rows = rows.to(tl.int64)
     cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < M) & (cols[None, :] < F)
     a = _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16, LIBDEVICE_EXP)
@@ -290,19 +302,22 @@ def swiglu_triton(y: torch.Tensor) -> torch.Tensor:
         block_m, block_f = 4, 512
         _swiglu_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, a, M, F, y2.stride(0), a.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
-            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(),
+            ROUND_BF16=y.dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(), WIDE=wide_offsets(y2, a),
             num_warps=4, enable_fp_fusion=False)
     return a.view(*lead, F)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(y_ptr, da_ptr, dy_ptr, M, F, stride_ym, stride_dam, stride_dym,
-                       BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                       WIDE: tl.constexpr):
     """d/dy of ``silu(gate) * up`` for ``y = [gate | up]`` given ``da``: fp32 math, in the order of
     ``quant.swiglu_backward``'s torch statement, written in ``dy``'s dtype."""
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        rows = rows.to(tl.int64)
     cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < M) & (cols[None, :] < F)
     base = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -333,14 +348,15 @@ def swiglu_backward_triton(y: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
         block_m, block_f = 4, 512
         _swiglu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(F, block_f))](
             y2, da2, dy, M, F, y2.stride(0), da2.stride(0), dy.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
-            LIBDEVICE_EXP=not triton_interpreted(), num_warps=4, enable_fp_fusion=False)
+            LIBDEVICE_EXP=not triton_interpreted(), WIDE=wide_offsets(y2, da2, dy), num_warps=4,
+            enable_fp_fusion=False)
     return dy.view(*lead, F2)
 
 
 @triton.jit
 def _dual_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, stride_xm, stride_qrm,
                        stride_srm, stride_srg, stride_qtn, stride_stn, inv_max, fmax, eps, G: tl.constexpr,
-                       RB: tl.constexpr, UE8M0: tl.constexpr):
+                       RB: tl.constexpr, UE8M0: tl.constexpr, WIDE: tl.constexpr):
     """One [G tokens, G columns] tile of a gradient ``d`` [M, N], quantized both ways the backward needs:
     1xG groups along N (dgrad; ``qr`` [M, N], ``sr``) and 1xG groups along the tokens, stored transposed
     (wgrad; ``qt`` [N, M], ``st`` [N, ceil(M/G)]): ``d`` comes from memory once instead of twice. RB < G: the tile is walked in
@@ -349,8 +365,12 @@ def _dual_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, stride_xm, s
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * G + tl.arange(0, G)
+    base = pid_m * G
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        cols = cols.to(tl.int64)
+        base = base.to(tl.int64)
     if RB == G:
-        rows = pid_m * G + tl.arange(0, G)
+        rows = base + tl.arange(0, G)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm, stride_srg,
@@ -362,7 +382,7 @@ def _dual_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, stride_xm, s
     else:
         camax = tl.zeros((G,), tl.float32)
         for i in tl.static_range(G // RB):
-            rows = pid_m * G + i * RB + tl.arange(0, RB)
+            rows = base + i * RB + tl.arange(0, RB)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             quantize_store_groups(d, rows, cols, mask, pid_n, qr_ptr, sr_ptr, M, stride_qrm, stride_srm,
@@ -370,7 +390,7 @@ def _dual_quant_kernel(x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, M, N, stride_xm, s
             camax = tl.maximum(camax, tl.max(tl.abs(d), axis=0))
         scale_inv, mult = scale_and_multiplier(tl.maximum(camax, eps), inv_max, fmax, UE8M0)
         for i in tl.static_range(G // RB):
-            rows = pid_m * G + i * RB + tl.arange(0, RB)
+            rows = base + i * RB + tl.arange(0, RB)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             d = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(d * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
@@ -404,16 +424,19 @@ def quantize_dual_triton(d: torch.Tensor, recipe: FP8Recipe, scale_col_major: bo
         _dual_quant_kernel[(triton.cdiv(M, G), triton.cdiv(N, G))](
             d, qr, sr, qt, st, M, N, d.stride(0), qr.stride(0), sr.stride(0), sr.stride(1),
             qt.stride(0), st.stride(0), 1.0 / recipe.fp8_max, recipe.fp8_max, recipe.amax_eps, G=G, RB=min(rb, G),
-            UE8M0=recipe.scale_fmt == "ue8m0", num_warps=warps, enable_fp_fusion=False)
+            UE8M0=recipe.scale_fmt == "ue8m0", WIDE=wide_offsets(d, qr, qt), num_warps=warps, enable_fp_fusion=False)
     return qr, sr, qt, st
 
 
 @triton.jit
-def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yc, BLOCK: tl.constexpr):
+def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yc, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK + tl.arange(0, BLOCK)
     cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    if WIDE:  # 64-bit element offsets (wide_offsets)
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < C))
     xt = tl.trans(x)  # [cols, rows]: both the load and the store are row-contiguous
     tl.store(y_ptr + cols[:, None] * stride_yc + rows[None, :], xt, mask=(cols[:, None] < C) & (rows[None, :] < R))
@@ -433,16 +456,19 @@ def transpose_bytes_triton(x: torch.Tensor) -> torch.Tensor:
     if R and C:
         block = 64
         _transpose_kernel[(triton.cdiv(R, block), triton.cdiv(C, block))](xb, y, R, C, xb.stride(0), y.stride(0),
-                                                                          BLOCK=block, num_warps=4)
+                                                                          BLOCK=block, WIDE=wide_offsets(xb),
+                                                                          num_warps=4)
     return y.view(x.dtype)
 
 
 @triton.jit
 def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BYTES: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BYTES: tl.constexpr, WIDE: tl.constexpr):
     # BLOCK_M rows (a token's KV head each) of D values: amax, the ue8m0 scale, the E4M3 cast and back, in one pass
-    # (BYTES: the E4M3 bytes [M, D] and scales [M] stored too)
+    # (BYTES: the E4M3 bytes [M, D] and scales [M] stored too; WIDE: 64-bit element offsets, wide_offsets)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:
+        rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -476,7 +502,7 @@ def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
         _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, q, s, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
                                                    recipe.fp8_max, recipe.amax_eps, D=D,
                                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m,
-                                                   BYTES=with_bytes, num_warps=4)
+                                                   BYTES=with_bytes, WIDE=wide_offsets(x2, y), num_warps=4)
     if with_bytes:
         return q.view(x.shape), s.view(x.shape[:-1]), y.view(x.shape)
     return y.view(x.shape)
