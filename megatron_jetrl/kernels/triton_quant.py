@@ -475,11 +475,13 @@ def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max,
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
     scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, True)
     q = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+    if BYTES:  # stored as their bit pattern, before the values: storing the E4M3 tensor after converting it to
+        # fp32 (the order of the statements below) wrote wrong values for two of every four columns on the H100
+        # (Triton 3.6, CUDA 13), while the bytes and scales were right
+        tl.store(q_ptr + rows[:, None] * D + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(s_ptr + rows, scale_inv, mask=rows < M)
     y = q.to(tl.float32) * scale_inv[:, None]  # exact: an E4M3 value times a power of two
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if BYTES:
-        tl.store(q_ptr + rows[:, None] * D + cols[None, :], q, mask=mask)
-        tl.store(s_ptr + rows, scale_inv, mask=rows < M)
 
 
 def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
@@ -499,7 +501,8 @@ def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
         s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block_m = 8
-        _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, q, s, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
+        qb = q.view(torch.uint8) if with_bytes else q  # the kernel stores the bytes' bit pattern
+        _kv_qdq_kernel[(triton.cdiv(M, block_m),)](x2, y, qb, s, M, x2.stride(0), y.stride(0), 1.0 / recipe.fp8_max,
                                                    recipe.fp8_max, recipe.amax_eps, D=D,
                                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m,
                                                    BYTES=with_bytes, WIDE=wide_offsets(x2, y), num_warps=4)
