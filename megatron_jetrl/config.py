@@ -255,8 +255,8 @@ class PrecisionConfig:
     bit for bit, the one the trainer's forward computes for it (``mismatch_abs_mean`` exactly 0). On a GPU the
     in-process rollout's static decoder and the trainer's forward run batch-invariant GEMMs and one causal attention
     kernel (a row's result does not depend on the rows, positions or sequences beside it), and both take the
-    logprob with the fused logprob kernel (``log_softmax(logits.float() / temperature)`` on the CPU); the H200's 8B
-    RL step costs 1.117x bf16's instead of the default jet's 1.249x (docs/benchmarks.md). On the CPU each token is
+    logprob with the fused logprob kernel (``log_softmax(logits.float() / temperature)`` on the CPU); the 8B RL
+    step on an H100 costs 1.163x bf16's instead of the default jet's 1.241x (docs/benchmarks.md). On the CPU each token is
     decoded with the trainer's own forward over the batch padded to ``model.max_position_embeddings`` positions (no
     KV cache: slow by design). Needs ``rollout.engine=local`` or ``serve`` (``jetrl serve`` workers run the same
     kernels; the fleet starts them with ``--exact`` and refuses an attached worker without it) and
