@@ -25,6 +25,9 @@ export PYTHONUNBUFFERED=1
 want() { [ $# -eq 0 ] || [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
 PARTS="$*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
+# the card in file names (h100, h200, ...; "gpu" for another)
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h100|h200|h20|b200|a100' | head -1 | tr 'A-Z' 'a-z')
+CARD=${CARD:-gpu}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 if want tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu ${GPU_TESTS:-tests/test_gpu_exact.py tests/test_gpu_quant.py tests/test_gpu_gemm.py tests/test_gpu_decode.py tests/test_gpu_model.py} -p no:cacheprovider -p no:warnings ${GPU_K:+-k "$GPU_K"} 2>&1 | tee $OUT/gpu_tests.txt | tail -15
@@ -61,7 +64,7 @@ if want attn; then
 fi
 if want step; then
   timeout ${STEP_TIMEOUT:-240} python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps ${STEP_STEPS:-2} --warmup 1 \
-    --plot $OUT/step_phases_h200${STEP_TAG}.png --json $OUT/bench_step${STEP_TAG}.json model.num_layers=8 rollout.max_new_tokens=1024 \
+    --plot $OUT/step_phases_${CARD}${STEP_TAG}.png --json $OUT/bench_step${STEP_TAG}.json model.num_layers=8 rollout.max_new_tokens=1024 \
     rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 $STEP_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_step${STEP_TAG}.txt
 fi
 if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
@@ -70,7 +73,7 @@ if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of 
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
-    --json $OUT/mismatch_h200.json 2>&1 | grep -v -i warn | tee $OUT/mismatch_h200.txt
+    --json $OUT/mismatch_${CARD}.json 2>&1 | grep -v -i warn | tee $OUT/mismatch_${CARD}.txt
 fi
 if want train; then
   timeout 300 python3 -m megatron_jetrl.cli train --preset tiny --run-dir /tmp/gputiny steps=40 \
