@@ -181,12 +181,12 @@ class StaticDecoder:
 
             self.attn_splits = attn_splits or default_splits(batch, self.groups, max_len, self.device)
             # (keys per tile, pipeline stages, warps); the FP8 cache (the key-major kernel): twice the keys per tile,
-            # two stages, 127 registers (4 programs per SM; tools/kernel_sass.py), and at least two key splits (the
-            # fastest with the head-major kernel at 64 x 4K keys on the H200: docs/benchmarks.md)
+            # two stages, 127 registers (4 programs per SM; tools/kernel_sass.py). Its key splits are the BF16
+            # kernel's (one where rows x groups fill the GPU): one split ran 2-8% faster than two at 64 and 256
+            # rows x 1K-8K keys on the H100 (docs/benchmarks.md, "FP8 KV cache")
             self.attn_plan = (64, 2, 4)
             if self.kv_recipe is not None:
                 self.attn_plan = (128, 2, 4)
-                self.attn_splits = attn_splits or max(2, self.attn_splits)
         nl, dev = len(self.layers), self.device
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
         self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=kv_dtype, device=dev)
