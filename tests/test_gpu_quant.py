@@ -136,7 +136,7 @@ def test_dual_gradient_quantizer_bit_identical(M, N, dtype, scale_fmt):
 
 def test_quantizers_past_2_31_elements():
     """Past 2^31 elements a 32-bit element offset wraps (fc1's [tokens, 2 x 28672] output of a 70B micro-batch from
-    37,450 tokens on): over a [37,504 x 57,344] BF16 tensor (2^31 + 2.7M elements) the quantizers, the SwiGLU
+    37,450 tokens on): over a [37,504 x 57,344] BF16 tensor (2^31 + 3.1M elements) the quantizers, the SwiGLU
     kernels, the byte transpose, the KV quantizer and the RMSNorm kernels write in the last rows (and the last
     token groups of the transposed outputs) what the same kernels write for those rows alone."""
     from megatron_jetrl.kernels import triton_quant as tq
