@@ -63,6 +63,29 @@ def test_kernel_table_on_cpu():
     assert times == sorted(times, reverse=True) and out["ms_per_call"] >= sum(times) - 1e-9 > 0
 
 
+def test_idle_gaps_locates_the_gpu_idle_time_between_kernels():
+    """The idle time between a profiled run's consecutive kernels (``--profile``'s graph-replayed step: its wall
+    time minus its kernels' time, by where it sits), from the profiler's trace: per call, by kernel pair, most
+    first; overlapping kernels and the host's gaps between calls (over 1 ms) count nothing, CPU ops are not kernels."""
+    from megatron_jetrl.bench.timing import idle_gaps
+
+    def trace(path):  # two calls of: norm (10 us) | 4 us idle | gemm (20 us) | 1 us idle | attn (30 us, a short
+        # kernel beside it) | 2 us idle | sum, then 5 ms of host gap
+        ev = []
+        for t0 in (0, 5000):
+            ev += [{"cat": "kernel", "name": "norm", "ts": t0, "dur": 10}, {"cat": "kernel", "name": "gemm", "ts": t0 + 14,
+                   "dur": 20}, {"cat": "kernel", "name": "attn", "ts": t0 + 35, "dur": 30},
+                   {"cat": "kernel", "name": "overlapped", "ts": t0 + 40, "dur": 5},
+                   {"cat": "kernel", "name": "sum", "ts": t0 + 67, "dur": 3},
+                   {"cat": "cpu_op", "name": "aten::mm", "ts": t0 + 70, "dur": 100}]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": ev}, f)
+
+    out = idle_gaps(type("Prof", (), {"export_chrome_trace": staticmethod(trace)})(), reps=2)
+    assert abs(out["idle_ms_per_call"] - 0.007) < 1e-12, out
+    assert out["top"] == [("norm -> gemm", 0.004, 1), ("attn -> sum", 0.002, 1), ("gemm -> attn", 0.001, 1)], out["top"]
+
+
 def test_copy_sources_names_the_calling_frame_and_the_backward_node():
     """bench train --copies: a forward copy is attributed to the Python line that made it, a backward
     copy to its autograd node; ops that do not copy are not listed."""

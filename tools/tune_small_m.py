@@ -54,6 +54,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--shapes", default="", help="N:K,... (default: the decode shapes)")
     ap.add_argument("--input", default="xq", help="xq (x pre-quantized, the decoder's call), quant, inkernel: "
                     "comma-separated; the last two time the standalone linear call (summed output)")
+    ap.add_argument("--top", type=int, default=5, help="plans printed per shape and M, fastest first")
     ap.add_argument("--fused-sum", default="0", help="1: split-K summed by each tile's last program (standalone)")
     args = ap.parse_args(argv)
     recipe = FP8Recipe()
@@ -101,6 +102,8 @@ def main(argv=None) -> list[dict]:
                                         f"w{nw}{' fsum' if fs else ''}"))
         results.sort()
         best = results[0]
+        for t, err, name in results[:args.top]:  # the runners-up too: how flat the optimum is
+            print(f"  M={M} N={N} K={K}: {t * 1e3:8.2f} us  {N * K / t / 1e9:5.2f} TB/s  {name}", flush=True)
         by = {}
         for t, _, name in results:  # best of each (input, swap, tma) family
             fam = " ".join(name.split()[:3])

@@ -61,19 +61,24 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
             break
         for _ in range(min(skip, dec.L - dec._host_pos - steps - 8)):  # graph steps to the mean length
             dec.step(ids)
-        if tag:  # the graph-replayed step's wall time at this length
+        if tag:  # the graph-replayed step's wall time at this length, and its kernels' time as replayed
             _sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 dec.step(ids)
             _sync()
             out["graph_step_ms" + tag] = (time.perf_counter() - t0) / steps * 1e3
+            if dec.use_graphs:
+                g = kernel_table(lambda: dec.step(ids), steps, f"graph-replayed decode step at {dec._host_pos} keys",
+                                 top=30, gaps=True)
+                out["graph_kernel_ms_per_step" + tag] = g["ms_per_call"]
+                out["graph_idle_ms_per_step" + tag] = g.get("idle_ms_per_call", 0.0)
         use, dec.use_graphs = dec.use_graphs, False
         try:
             n = min(steps, dec.L - dec._host_pos - 2)  # the KV cache holds L positions
             for _ in range(2):
                 dec.step(ids)
-            k = kernel_table(lambda: dec.step(ids), n, f"decode step at {dec._host_pos} keys")
+            k = kernel_table(lambda: dec.step(ids), n, f"decode step at {dec._host_pos} keys", top=30)
         finally:
             dec.use_graphs = use
         out["kernel_ms_per_step" + tag], out["top" + tag] = k["ms_per_call"], k["top"]
@@ -167,8 +172,9 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "gemm_tuning": tuning,
            "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in tuning.items() if v["kernel"] == "deepgemm") or "-",
            "sample_tokens": sum(len(x.output_ids) for x in gens)}
+    timed = ("kernel_ms", "graph_step", "graph_kernel", "graph_idle", "prefill_kernel")
     for k, v in kernels.items():
-        out[k if k.startswith(("kernel_ms", "graph_step", "prefill_kernel")) else k.replace("top", "top_kernels")] = v
+        out[k if k.startswith(timed) else k.replace("top", "top_kernels")] = v
     engine = model = dec = None  # freed before the next mode (the lambdas above hold the names)
     if cuda:
         torch.cuda.empty_cache()
@@ -218,7 +224,8 @@ def main(argv=None) -> list[dict]:
             "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
             "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes"]
-    cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean", "graph_step_ms_at_mean")
+    cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean",
+                         "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
     dump_json(args.json, rows)

@@ -117,10 +117,47 @@ def time_rotated_ms(fn, copies: int, rep: int = 50) -> float:
     return time_graph_ms(lambda: [fn(i) for i in range(copies)], rep=rep) / copies
 
 
-def kernel_table(fn, reps: int, title: str, top: int = 12) -> dict:
+def idle_gaps(prof, reps: int, top: int = 8) -> dict:
+    """The GPU's idle time between consecutive kernels of a profiled run (``prof``: a finished torch profiler over
+    ``reps`` calls), per call, and the kernel pairs it sits between, most first: a CUDA graph's kernels start
+    back to back unless a launch waits (a step's wall time minus its kernels' time, located). Gaps over 1 ms
+    (between calls, the host's) are left out. Returns ``{"idle_ms_per_call", "top": [(before -> after, ms per
+    call, gaps per call)]}``."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "ts" in e)
+    pairs: dict[str, list] = {}
+    total, end, last = 0.0, None, ""  # the latest end so far and its kernel (kernels may overlap)
+    for start, stop, name in kernels:
+        gap = start - end if end is not None else 0.0  # microseconds
+        if 0 < gap < 1000:
+            total += gap
+            key = f"{last[:50]} -> {name[:50]}"
+            pairs.setdefault(key, [0.0, 0])
+            pairs[key][0] += gap
+            pairs[key][1] += 1
+        if end is None or stop > end:
+            end, last = stop, name
+    rows = sorted(((k, v[0] / reps / 1e3, v[1] // reps) for k, v in pairs.items()), key=lambda r: -r[1])
+    print(f"  idle between kernels: {total / reps / 1e3:.3f} ms per call; largest:")
+    for name, ms, n in rows[:top]:
+        print(f"  {ms:8.3f} ms  x{n:<4d} {name}")
+    return {"idle_ms_per_call": total / reps / 1e3, "top": rows[:top]}
+
+
+def kernel_table(fn, reps: int, title: str, top: int = 12, gaps: bool = False) -> dict:
     """Run ``fn()`` ``reps`` times under torch's profiler and print the kernel time per call by
-    kernel, most first (CUDA kernels on a GPU; CPU ops elsewhere, to check the harness). Returns
-    ``{"ms_per_call", "top": [(name, ms per call, launches per call)]}``."""
+    kernel, most first (CUDA kernels on a GPU; CPU ops elsewhere, to check the harness); with ``gaps`` (CUDA)
+    also the idle time between kernels (``idle_gaps``). Returns ``{"ms_per_call", "top": [(name, ms per call,
+    launches per call)]}``, and ``"idle_ms_per_call"``, ``"idle_top"`` with ``gaps``."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -141,7 +178,11 @@ def kernel_table(fn, reps: int, title: str, top: int = 12) -> dict:
     print(f"{title}: {total:.3f} ms of {'GPU kernel' if cuda else 'CPU'} time per call; top {top}:")
     for name, ms, n in rows[:top]:
         print(f"  {ms:8.3f} ms  {100 * ms / max(total, 1e-12):5.1f}%  x{n:<4d} {name[:110]}")
-    return {"ms_per_call": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
+    out = {"ms_per_call": total, "top": [(n[:200], ms, c) for n, ms, c in rows[:top]]}
+    if gaps and cuda:
+        g = idle_gaps(prof, reps)
+        out["idle_ms_per_call"], out["idle_top"] = g["idle_ms_per_call"], g["top"]
+    return out
 
 
 def copy_sources(fn, title: str, top: int = 10) -> list[dict]:
