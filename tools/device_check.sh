@@ -9,7 +9,9 @@
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT), part exact times exact mode's kernels against the default ones (EX_ARGS); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
-# (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files.
+# (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files. Output filters are line-buffered, and the
+# rollout, step and small-M sweep benchmarks write their JSON after every row: a part cut off by a time limit keeps
+# what it measured.
 set -o pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -47,39 +49,39 @@ if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one
     tag=${RO_TAG}$([ "$at" = sdpa ] || echo "_$at")
     timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
       --modes ${RO_MODES:-bf16,jet} --new-tokens ${RO_TOKENS:-1024} --prompt-len 128 --profile ${RO_PROFILE:-5} \
-      --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_rollout${tag}.txt
+      --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_rollout${tag}.txt
   done
 fi
 if want deepgemm; then  # DeepGEMM's GEMM alone vs cuBLAS's vs BF16 (DG_ARGS), training and decode shapes
-  timeout ${DG_TIMEOUT:-300} python3 tools/deepgemm_bench.py ${DG_ARGS} --json $OUT/deepgemm.json 2>&1 | grep -v "^{" | tee $OUT/deepgemm.txt
+  timeout ${DG_TIMEOUT:-300} python3 tools/deepgemm_bench.py ${DG_ARGS} --json $OUT/deepgemm.json 2>&1 | grep --line-buffered -v "^{" | tee $OUT/deepgemm.txt
 fi
 if want decattn; then  # decode attention alone: SDPA over the bucket vs the exact-length Triton kernel's plans
-  timeout ${DA_TIMEOUT:-150} python3 tools/attn_decode_bench.py ${DA_ARGS} --json $OUT/attn_decode.json 2>&1 | grep -v -i warn | tee $OUT/attn_decode.txt
+  timeout ${DA_TIMEOUT:-150} python3 tools/attn_decode_bench.py ${DA_ARGS} --json $OUT/attn_decode.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/attn_decode.txt
 fi
 if want exact; then  # exact mode's GEMMs (every plan, with a same-bits column) and attention vs the default kernels
-  timeout ${EX_TIMEOUT:-240} python3 tools/exact_bench.py ${EX_ARGS} --json $OUT/exact_bench.json 2>&1 | grep -v -i warn | tee $OUT/exact_bench.txt
+  timeout ${EX_TIMEOUT:-240} python3 tools/exact_bench.py ${EX_ARGS} --json $OUT/exact_bench.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/exact_bench.txt
 fi
 if want attn; then
-  timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep -v -i warn | tee $OUT/attn_backends.txt
+  timeout ${ATTN_TIMEOUT:-120} python3 tools/attn_backends.py --profile ${ATTN_ARGS} --json $OUT/attn_backends.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/attn_backends.txt
 fi
 if want step; then
   timeout ${STEP_TIMEOUT:-240} python3 -m megatron_jetrl.cli bench step --preset llama3.1-8b-random --steps ${STEP_STEPS:-2} --warmup 1 \
     --plot $OUT/step_phases_${CARD}${STEP_TAG}.png --json $OUT/bench_step${STEP_TAG}.json model.num_layers=8 rollout.max_new_tokens=1024 \
-    rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 $STEP_ARGS 2>&1 | grep -v -i warn | tee $OUT/bench_step${STEP_TAG}.txt
+    rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 $STEP_ARGS 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_step${STEP_TAG}.txt
 fi
 if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of a training step (BT_* override)
   timeout ${BT_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench train --layers ${BT_LAYERS:-8} --seqs ${BT_SEQS:-4096} \
-    --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} $BT_ARGS --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
+    --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} $BT_ARGS --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
 fi
 if want mismatch; then
   timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
-    --json $OUT/mismatch_${CARD}.json 2>&1 | grep -v -i warn | tee $OUT/mismatch_${CARD}.txt
+    --json $OUT/mismatch_${CARD}.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/mismatch_${CARD}.txt
 fi
 if want train; then
   timeout 300 python3 -m megatron_jetrl.cli train --preset tiny --run-dir /tmp/gputiny steps=40 \
-    algo.sft_warmup_steps=20 precision.backend=scaled_mm 2>&1 | grep -v -i warn | tail -5 | tee $OUT/train_tiny_gpu.txt
+    algo.sft_warmup_steps=20 precision.backend=scaled_mm 2>&1 | grep --line-buffered -v -i warn | tail -5 | tee $OUT/train_tiny_gpu.txt
   cp /tmp/gputiny/metrics.jsonl $OUT/train_tiny_gpu_metrics.jsonl
 fi
 if want dualtune; then  # the one-pass gradient quantizer's plans vs the separate kernels (DUAL_ARGS: sweep arguments)
-  timeout ${DUAL_TIMEOUT:-200} python3 tools/tune_dual_quant.py ${DUAL_ARGS} --json $OUT/tune_dual_quant.json 2>&1 | grep -v -i warn | tee $OUT/tune_dual_quant.txt
+  timeout ${DUAL_TIMEOUT:-200} python3 tools/tune_dual_quant.py ${DUAL_ARGS} --json $OUT/tune_dual_quant.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/tune_dual_quant.txt
 fi

@@ -209,6 +209,7 @@ def main(argv=None) -> list[dict]:
                     gc.collect()
                     torch.cuda.empty_cache()
                 print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
+                dump_json(args.json, rows)  # after every row: a run stopped by a time limit keeps what it measured
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")

@@ -112,7 +112,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
-    rows = [run_mode(preset_path(args.preset), m, args.overrides, args.steps, args.warmup) for m in args.modes.split(",")]
+    rows = []
+    for m in args.modes.split(","):
+        rows.append(run_mode(preset_path(args.preset), m, args.overrides, args.steps, args.warmup))
+        print({k: v for k, v in rows[-1].items() if isinstance(v, (str, int, float))}, flush=True)
+        dump_json(args.json, rows)  # after every mode: a run stopped by a time limit keeps what it measured
     base = next((r for r in rows if r["mode"] == "bf16"), None)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, {args.steps} steps after {args.warmup} warm-up")
