@@ -193,7 +193,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new-tokens", default="1024", help="comma-separated response lengths")
     ap.add_argument("--bandwidth", type=float, default=4.2, help="TB/s for the weight-bandwidth bound")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="also print the kernel time per decode step by kernel, over STEPS steps (CPU ops off CUDA)")
+                    help="also print the kernel time per decode step by kernel, over STEPS steps, eager and (at the mean "
+                    "length) as the CUDA graph replays it, with the idle time between its kernels (CPU ops off CUDA)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
