@@ -231,7 +231,6 @@ def main(argv=None) -> list[dict]:
                          "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
-    dump_json(args.json, rows)
     return rows
 
 

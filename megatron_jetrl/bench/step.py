@@ -137,7 +137,6 @@ def main(argv=None) -> list[dict]:
                 ["mode", *parts] + ([f"{p} vs bf16" for p in parts[:3]] if base else []))
     if args.plot:
         print(f"plot: {plot(rows, args.plot, f'{dev}, preset {args.preset}')}")
-    dump_json(args.json, rows)
     return rows
 
 
