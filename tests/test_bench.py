@@ -1,5 +1,6 @@
 """The benchmark harnesses run on CPU (the numbers they print there are not claims)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,6 +48,9 @@ def test_bench_rollout_harness(tmp_path):
     assert out.stdout.count("prefill:") == 4
     assert all(r["kernel_ms_per_step"] > 0 and r["kernel_ms_per_step_at_mean"] > 0 and r["graph_step_ms_at_mean"] > 0
                and r["prefill_kernel_ms"] > 0 for r in rows)
+    # the host's launch time within the wall time; the GPU's back-to-back time only on CUDA
+    assert all(0 < r["graph_host_ms_at_mean"] <= r["graph_step_ms_at_mean"] and r["eager_host_ms_at_mean"] > 0
+               and math.isnan(r["graph_gpu_ms_at_mean"]) for r in rows)
 
 
 def test_kernel_table_on_cpu():

@@ -46,12 +46,41 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
+    """``steps`` decode steps from the decoder's position, twice: timed by the host (wall time per step around the
+    launches and a final sync, and the launches' own time: a loop whose launches take as long as its wall time is
+    bound by the host), then with the launches queued behind a GPU sleep, timed between CUDA events: the GPU's time
+    per step with its kernels back to back, whatever the host costs. Returns ``{"step_ms", "host_ms", "gpu_ms"}``
+    (``gpu_ms`` NaN off CUDA, or where the host's launches outlast the sleep)."""
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        dec.step(ids)
+    host = time.perf_counter() - t0
+    _sync()
+    out = {"step_ms": (time.perf_counter() - t0) / steps * 1e3, "host_ms": host / steps * 1e3, "gpu_ms": float("nan")}
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep_s = 0.05 + 2 * host  # the queue filled before the GPU reaches it
+        torch.cuda._sleep(int(sleep_s * 2.5e9))  # cycles; >= sleep_s below 2.5 GHz
+        start.record()
+        for _ in range(steps):
+            dec.step(ids)
+        end.record()
+        early = start.query()  # the GPU reached the first step before the host had queued them all
+        end.synchronize()
+        if not early:
+            out["gpu_ms"] = start.elapsed_time(end) / steps
+    return out
+
+
 def profile_steps(dec, steps: int, advance: int = 0) -> dict:
     """Kernel time per decode step by kernel (the same decoder stepped eagerly under the profiler
     after a prefill; kernel durations are the graph's, the host gaps are not), first right after the
     prefill and then, with ``advance``, that many (graph) steps later, where attention reads the
-    rollout's mean number of keys; there also the graph's wall time per step and, profiled over graph replays, its
-    kernels as replayed and the idle time between them (``timing.idle_gaps``): where wall time and kernel time part."""
+    rollout's mean number of keys; there also the graph's wall time, host launch time and back-to-back GPU time per
+    step (``step_wall``; the eager step's too), and, profiled over graph replays, its kernels as replayed and the
+    idle time between them (``timing.idle_gaps``): where wall time and kernel time part."""
     from megatron_jetrl.bench.timing import kernel_table
 
     ids = torch.zeros(dec.B, dtype=torch.long, device=dec.device)
@@ -63,12 +92,9 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
         for _ in range(min(skip, dec.L - dec._host_pos - steps - 8)):  # graph steps to the mean length
             dec.step(ids)
         if tag:  # the graph-replayed step's wall time at this length, and its kernels' time as replayed
-            _sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                dec.step(ids)
-            _sync()
-            out["graph_step_ms" + tag] = (time.perf_counter() - t0) / steps * 1e3
+            w = step_wall(dec, ids, steps)
+            out["graph_step_ms" + tag], out["graph_host_ms" + tag], out["graph_gpu_ms" + tag] = (
+                w["step_ms"], w["host_ms"], w["gpu_ms"])
             if dec.use_graphs:
                 g = kernel_table(lambda: dec.step(ids), steps, f"graph-replayed decode step at {dec._host_pos} keys",
                                  top=30, gaps=True)
@@ -76,10 +102,13 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
                 out["graph_idle_ms_per_step" + tag] = g.get("idle_ms_per_call", 0.0)
         use, dec.use_graphs = dec.use_graphs, False
         try:
-            n = min(steps, dec.L - dec._host_pos - 2)  # the KV cache holds L positions
+            n = min(steps, (dec.L - dec._host_pos - 2) // 3)  # the KV cache holds L positions
             for _ in range(2):
                 dec.step(ids)
             k = kernel_table(lambda: dec.step(ids), n, f"decode step at {dec._host_pos} keys", top=30)
+            if tag:  # the same steps launched eagerly, unprofiled, back to back: a graph slower than its kernels shows
+                w = step_wall(dec, ids, 2)  # two steps (~900 launches): more may not queue ahead of the GPU
+                out["eager_host_ms" + tag], out["eager_gpu_ms" + tag] = w["host_ms"], w["gpu_ms"]
         finally:
             dec.use_graphs = use
         out["kernel_ms_per_step" + tag], out["top" + tag] = k["ms_per_call"], k["top"]
@@ -173,7 +202,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "gemm_tuning": tuning,
            "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in tuning.items() if v["kernel"] == "deepgemm") or "-",
            "sample_tokens": sum(len(x.output_ids) for x in gens)}
-    timed = ("kernel_ms", "graph_step", "graph_kernel", "graph_idle", "prefill_kernel")
+    timed = ("kernel_ms", "graph_", "eager_", "prefill_kernel")
     for k, v in kernels.items():
         out[k if k.startswith(timed) else k.replace("top", "top_kernels")] = v
     engine = model = dec = None  # freed before the next mode (the lambdas above hold the names)
@@ -228,7 +257,8 @@ def main(argv=None) -> list[dict]:
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
             "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean",
-                         "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean")
+                         "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean",
+                         "graph_host_ms_at_mean", "graph_gpu_ms_at_mean", "eager_host_ms_at_mean", "eager_gpu_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
     return rows
