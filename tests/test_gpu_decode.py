@@ -267,6 +267,57 @@ def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, cublas, tmp_
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
 
 
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_decoder_attention_quantizes_for_the_output_projection(kv_cache, tmp_path, megatron_single, monkeypatch):
+    """jet on the Triton decode attention (head_dim 128, the recipe's group), BF16 or FP8 KV cache: the output
+    projection's activation quantization written by the attention kernel gives the logits of the same decoder
+    quantizing in the projection (identical bytes, prefill and 20 decode steps, 16 and 96 rows: the small-M GEMM's
+    row-major scales and cuBLAS's column-major ones), and the kernel's bytes and scales are torch's rule's on its
+    output."""
+    import megatron_jetrl.kernels.decode_attn as da
+    from megatron_jetrl.precision.quant import quantize_act
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.decode import StaticDecoder
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("llama", str(tmp_path), hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=128)
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"], backend="auto")
+    model = model.bfloat16().eval()
+    state.bump()
+    fused_calls = []
+    real = da.decode_attention
+
+    def spy(*a, **kw):
+        res = real(*a, **kw)
+        if kw.get("quant") is not None and res[1] is not None:
+            out, (q8, s8) = res
+            qr, sr = quantize_act(out.reshape(out.shape[0], -1).float(), kw["quant"], use_triton=False)
+            assert torch.equal(q8.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s8, sr)
+            assert s8.stride() == ((1, out.shape[0]) if kw["scale_col_major"] else (out.shape[1], 1))
+            fused_calls.append(kw["scale_col_major"])
+        return res
+
+    monkeypatch.setattr(da, "decode_attention", spy)
+    kv = FP8Recipe(kv_cache="fp8") if kv_cache == "fp8" else None
+    for B in (16, 96):
+        g = torch.Generator().manual_seed(B)
+        tokens = torch.randint(3, 384, (B, 12), generator=g).cuda()
+        key_pad = torch.zeros(B, 12, dtype=torch.bool, device="cuda")
+        key_pad[:4, :3] = True
+        ids = torch.randint(3, 384, (20, B), generator=g).cuda()
+        outs = {}
+        with torch.no_grad(), state.rollout_precision():
+            for fuse in (True, False):
+                dec = StaticDecoder(model, B, 40, 384, bucket=16, use_graphs=False, attention="triton", kv_recipe=kv)
+                assert dec.triton_attn and dec.attn_splits == 1
+                dec.fuse_attn_quant = fuse
+                outs[fuse] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
+        assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert fused_calls.count(False) == 20 * 2 and fused_calls.count(True) == 20 * 2  # 2 layers x 20 steps per batch
+
+
 def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single):
     """jet with the small-M GEMM on a model wide enough for split-K (hidden 1024, FFN 2048): the
     output projection's and fc2's fp32 partials summed inside the next residual add + RMSNorm kernel

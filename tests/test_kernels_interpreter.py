@@ -322,7 +322,7 @@ from megatron_jetrl.kernels.decode_attn import decode_attention
 from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
 from megatron_jetrl.kernels.triton_quant import quantize_act_triton
-from megatron_jetrl.precision.quant import dequantize_kv, kv_rule, quantize_kv
+from megatron_jetrl.precision.quant import dequantize_kv, kv_rule, quantize_act, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rollout.decode import StaticDecoder
 recipe = FP8Recipe(kv_cache="fp8")
@@ -422,6 +422,24 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 6
     out16 = decode_attention(q.half(), kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
                              k_scale=ks, v_scale=vs)  # a 16-bit q: the fp16 tensor-core path
     assert out16.dtype == torch.float16 and (out16.float() - ref).abs().max() < 3e-3, (out16.float() - ref).abs().max()
+    # the output projection's activation quantization in the same kernel (one split): the bytes and scales of the
+    # activation quantizer kernel the projection runs otherwise (the interpreter's E4M3 casts round a few ties
+    # unlike torch's, for both kernels alike; the GPU test compares with torch), the scales also torch's rule's;
+    # scales row-major or column-major
+    for qq, o in ((q, out), (q.half(), out16)):
+        for fmt, col in (("fp32", False), ("ue8m0", True)):
+            rq = FP8Recipe(scale_fmt=fmt, group_size=D, weight_block=(D, D))
+            o2, xq = decode_attention(qq, kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
+                                      k_scale=ks, v_scale=vs, quant=rq, scale_col_major=col)
+            assert torch.equal(o2, o)
+            if splits > 1:  # partials merged by a second kernel: no fused quantization
+                assert xq is None
+                continue
+            qr, sr = quantize_act_triton(o.reshape(b, H * D), rq)
+            assert xq[0].shape == (b, H * D) and torch.equal(xq[0].view(torch.uint8), qr.view(torch.uint8))
+            assert torch.equal(xq[1], sr) and xq[1].stride() == ((1, b) if col else (H, 1)), xq[1].stride()
+            assert torch.equal(sr, quantize_act(o.reshape(b, H * D), rq, use_triton=False)[1])
+            assert xq[1].unique().numel() > 1
 print("ok")
 '''
     run_interpreted(code)

@@ -80,7 +80,7 @@ def test_fp8_kv_cache_holds_the_trainers_keys_and_values(model_type, tmp_path, m
         hooks = [m.register_forward_hook(lambda m, a, out: seen.append((a[1], a[2], out)))
                  for m in model.modules() if isinstance(m, SDPAttention)]
         orig, orig_write, written = dec._attention, dec._write_kv, []
-        dec._attention = lambda *a: dec_out.append(orig(*a)) or dec_out[-1]
+        dec._attention = lambda *a: dec_out.append(orig(*a)) or dec_out[-1]  # (output [S, b, heads*d], xq)
         dec._write_kv = lambda *a: written.append((a[4], a[5])) or orig_write(*a)  # the RoPE'd k, v [S, b, g, d]
         model.eval()
         with torch.no_grad(), state.rollout_precision():
@@ -112,10 +112,10 @@ def test_fp8_kv_cache_holds_the_trainers_keys_and_values(model_type, tmp_path, m
         for r, n in enumerate(lens):
             cols = slice(P - n, P)
             for li, (k, v, out) in enumerate(per_row[r]):  # k, v [n + steps, 1, groups, d] (after RoPE)
-                e = max(e, (dec_out[li][cols, r] - out[:n, 0]).abs().max().item())
+                e = max(e, (dec_out[li][0][cols, r] - out[:n, 0]).abs().max().item())
                 if li > 0:
                     continue
-                assert (dec_out[0][cols, r] - out[:n, 0]).abs().max() < 1e-5  # the same q, K and V in the first layer
+                assert (dec_out[0][0][cols, r] - out[:n, 0]).abs().max() < 1e-5  # the same q, K and V in the first layer
                 k, v = k[:n, 0].transpose(0, 1), v[:n, 0].transpose(0, 1)
                 if kv == "bf16":
                     assert torch.equal(k_c[li, r, :, cols], k) and torch.equal(v_c[li, r, :, cols], v), r

@@ -46,6 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
+from megatron_jetrl.precision.recipe import FP8Recipe
+
 LOG2E = math.log2(math.e)
 TAIL_N = 32  # the key-major kernel's masked tiles at a split's end (narrow: few registers beside the pipelined loop)
 
@@ -110,16 +113,17 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
-               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT)
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, o_ptr, o_ptr, 0, 0, 0, 1.0, 1.0, 0.0, D, False, False)
 
 
 @triton.jit
 def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                              qk_scale, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, sok_b,
-                             so_b, so_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                             so_b, so_h, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
+                             HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                              NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                             F16: tl.constexpr):
+                             F16: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
     (key-contiguous in the FP8 cache's [d, L] layout: wide loads, one conversion per pair of keys). The query heads
     of a group are the MMA's narrow dimension (BLOCK_H = 8 for 4 heads, where the head-major form pads them to 16),
@@ -148,7 +152,8 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     if F16:
         acc = acc * (1.0 / P_F16)
     _store_out(tl.trans(acc), l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
-               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT)
+               tl.num_programs(1) * HPG, s, BLOCK_D, SPLIT, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
+               D, QUANT, UE8M0)
 
 
 @triton.jit
@@ -209,13 +214,24 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, m_i, l_i, ac
 
 @triton.jit
 def _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h, H, s,
-               BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+               BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
+               D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """A program's result ``acc [heads, d]``: with one split the output ``acc / l``, with several its unnormalized
-    fp32 partial [B, H, SPLIT, BLOCK_D] and (max, sum) [B, H, SPLIT, 2] for :func:`_merge_kernel`."""
+    fp32 partial [B, H, SPLIT, BLOCK_D] and (max, sum) [B, H, SPLIT, 2] for :func:`_merge_kernel`. ``QUANT`` (one
+    split): also the output's 1 x D quantization for the output projection, one scale per head (D = the recipe's
+    group), from the output as stored (rounded to its dtype): the bytes and scales the activation quantizer
+    computes from it (``triton_quant._act_quant_kernel``)."""
     mask = hm[:, None] & dm[None, :]
     if SPLIT == 1:
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out, mask=mask)
+        if QUANT:
+            x = out.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+            scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+            q8 = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+            tl.store(xq_ptr + b * sxq_b + heads[:, None] * D + dd[None, :], q8, mask=mask)
+            tl.store(xs_ptr + b * sxs_b + heads * sxs_h, scale_inv, mask=hm)
     else:
         row = (b * H + heads) * SPLIT + s
         tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=mask)
@@ -255,7 +271,8 @@ def default_splits(rows: int, groups: int, max_len: int, device: torch.device, b
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_ok: torch.Tensor,
                      pos: torch.Tensor, scale: float, splits: int = 1, block_n: int = 64,
                      num_stages: int = 2, num_warps: int = 4, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, quant: FP8Recipe | None = None,
+                     scale_col_major: bool = False):
     """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
     ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache; K with a unit last stride, V with a unit
     last stride or key-major, a transposed view of ``[b, groups, d, L]`` memory) over keys ``0..pos[0]`` where
@@ -264,7 +281,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride, ``FP8Recipe.kv_cache``) is
     read as its bytes; the attention is over their dequantized values. An FP8 cache or a key-major V runs the
     key-major kernel (fast with a key-major V: the decoder's FP8 cache), a BF16 cache with V [L, d] the head-major
-    one."""
+    one. ``quant`` (a recipe): returns ``(out, xq)``, ``xq`` the output's activation quantization for the FP8
+    output projection, ``(q [b, heads*d] E4M3, scale_inv [b, heads] fp32)``, the bytes and scales
+    ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major, or column-major as cuBLAS's
+    scaled_mm reads them with ``scale_col_major``), written by the same kernel; None where the kernel cannot
+    (several key splits, the head-major kernel, d other than the recipe's group)."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -281,7 +302,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          "and a unit last one")
     out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
     if b == 0:
-        return out
+        return out if quant is None else (out, None)
     hpg = H // G
     block_d = max(16, triton.next_power_of_2(D))
     ok = key_ok.view(torch.uint8) if key_ok.dtype == torch.bool else key_ok
@@ -293,16 +314,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = ml = out
     common = dict(D=D, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
                   IEEE=q.dtype == torch.float32, num_warps=num_warps)
+    xq = None
+    if quant is not None and key_major and splits == 1 and D == quant.group_size:
+        xs = (torch.empty((H, b), dtype=torch.float32, device=q.device).t() if scale_col_major
+              else torch.empty((b, H), dtype=torch.float32, device=q.device))
+        xq = (torch.empty((b, H * D), dtype=torch.float8_e4m3fn, device=q.device), xs)
     if key_major:  # the query heads as the MMA's narrow side: 8 for up to 8 heads per group (tensor cores pad less)
         ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused without KV_FP8
+        xb, xs = xq if xq is not None else (out, out)  # unused without QUANT
+        inv_max, fmax, eps = (1.0, 1.0, 0.0) if xq is None else (1.0 / quant.fp8_max, quant.fp8_max, quant.amax_eps)
         _decode_attn_keys_kernel[(b, G, splits)](
             q, k_cache, v_cache, ks, vs, ok, pos, out, part, ml, float(scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
+            xb, xs, xb.stride(0), xs.stride(0), xs.stride(1), inv_max, fmax, eps,
             HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n), KV_FP8=fp8,
-            F16=fp8 and q.dtype != torch.float32,
-            **common)
+            F16=fp8 and q.dtype != torch.float32, QUANT=xq is not None,
+            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", **common)
     else:
         _decode_attn_kernel[(b, G, splits)](
             q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),
@@ -312,4 +341,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits > 1:
         _merge_kernel[(b, H)](part, ml, out, out.stride(0), out.stride(1), H, D=D, BLOCK_D=block_d, SPLIT=splits,
                               BLOCK_S=triton.next_power_of_2(splits), BASE2=key_major, num_warps=4)
-    return out
+    return out if quant is None else (out, xq)

@@ -158,6 +158,9 @@ class StaticDecoder:
         # a decoder to compare with the unfused path.
         self.fuse_norm_quant = True
         self.norm_quant_cublas = True
+        # ... and, on decode steps with the Triton attention (one key split), the output projection's activation
+        # quantization in the attention kernel (32 quantizer launches fewer per step; same bytes)
+        self.fuse_attn_quant = True
         # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
         # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
         # (same bytes)
@@ -274,16 +277,21 @@ class StaticDecoder:
             if delta is not None:
                 h = h + self._summed(delta, splits, h)
             return h, norm(h), None
-        recipe, col_major = None, False
+        recipe, col_major = self._input_quant(consumer, h.numel() // h.shape[-1], h.shape[-1])
+        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe, splits, scale_col_major=col_major)
+
+    def _input_quant(self, consumer, M: int, K: int):
+        """(recipe, scales column-major) for the op producing ``consumer``'s ``[M, K]`` input to quantize it as the
+        FP8 linear would (``fuse_norm_quant``), or (None, False): the small-M GEMM reads row-major scales,
+        cuBLAS's scaled_mm (more rows, ``norm_quant_cublas``) column-major ones."""
         state = getattr(consumer, "fp8_state", None)
         if (self.fuse_norm_quant and state is not None and consumer.fp8_active()
-                and consumer.fp8_backend == "scaled_mm" and h.shape[-1] % state.recipe.group_size == 0):
-            M = h.numel() // h.shape[-1]
-            if M <= state.small_m_max:  # the small-M GEMM reads row-major scales
-                recipe = state.recipe
-            elif self.norm_quant_cublas:  # cuBLAS's scaled_mm reads them column-major
-                recipe, col_major = state.recipe, True
-        return add_rmsnorm_quant(h, delta, norm.weight, norm.eps_for(h.dtype), recipe, splits, scale_col_major=col_major)
+                and consumer.fp8_backend == "scaled_mm" and K % state.recipe.group_size == 0):
+            if M <= state.small_m_max:
+                return state.recipe, False
+            if self.norm_quant_cublas:
+                return state.recipe, True
+        return None, False
 
     def _qkv(self, attn, x, xq=None):
         """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
@@ -312,10 +320,12 @@ class StaticDecoder:
         return q, k, v
 
     def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, rope: tuple, Lb: int,
-                   mask: torch.Tensor, q0: torch.Tensor | None = None):
+                   mask: torch.Tensor, q0: torch.Tensor | None = None, proj=None):
         """q [S, b, heads, d], k/v [S, b, groups, d] at cache columns ``idx`` [S] (``rope``: the RoPE
-        table rows and their cos/sin) -> [S, b, heads*d]. Exact mode: the cache is indexed by each row's own
-        position (column ``idx - pads``; ``q0`` [b]: the position of column ``idx[0]``)."""
+        table rows and their cos/sin) -> ([S, b, heads*d], xq). Exact mode: the cache is indexed by each row's own
+        position (column ``idx - pads``; ``q0`` [b]: the position of column ``idx[0]``). ``xq``: on a decode step
+        with the Triton kernel, the output's FP8 bytes and scales for the output projection ``proj`` (its
+        activation quantization, written by the attention kernel: ``_input_quant``), else None."""
         S, b = idx.shape[0], q.shape[1]
         f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
@@ -332,13 +342,15 @@ class StaticDecoder:
         if self.exact:  # prefill and decode steps: the trainer's attention kernel over the position-indexed cache
             from megatron_jetrl.kernels.exact_attn import exact_attention
 
-            return exact_attention(q, kc, vc, self.scale, q0, ks, vs)
+            return exact_attention(q, kc, vc, self.scale, q0, ks, vs), None
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
-            out = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits,
-                                   *self.attn_plan, k_scale=ks, v_scale=vs)
-            return out.view(1, b, self.heads * self.dim)
+            recipe, col_major = self._input_quant(proj, b, self.heads * self.dim) if self.fuse_attn_quant else (None, False)
+            res = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits,
+                                   *self.attn_plan, k_scale=ks, v_scale=vs, quant=recipe, scale_col_major=col_major)
+            out, xq = res if recipe is not None else (res, None)
+            return out.view(1, b, self.heads * self.dim), xq
         kb, vb = kc[:, :, :Lb], vc[:, :, :Lb]
         if ks is not None:  # SDPA over the FP8 cache's values (exact in the model's dtype)
             kb, vb = dequantize_kv(kb, ks[:, :, :Lb], self.dtype), dequantize_kv(vb, vs[:, :, :Lb], self.dtype)
@@ -348,7 +360,7 @@ class StaticDecoder:
         # 768 keys: 52 us per layer vs 91 us for matmul + fp32 softmax, 1060 us with K/V expanded)
         out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kb, vb, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.heads != self.groups)
-        return out.permute(2, 0, 1, 3).reshape(S, out.shape[0], self.heads * self.dim)
+        return out.permute(2, 0, 1, 3).reshape(S, out.shape[0], self.heads * self.dim), None
 
     def _write_kv(self, kc, vc, ks, vs, k, v, idx, shift=None) -> None:
         """The RoPE'd ``k`` and ``v`` [S, b, g, d] into the cache views at columns ``idx`` (torch ops: the CPU and
@@ -399,8 +411,12 @@ class StaticDecoder:
             attn = layer.self_attention
             h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv, splits)
             q, k, v = self._qkv(attn, x, xq)
-            ctx = self._attention(li, q, k, v, rows, idx, rope, Lb, mask, q0)
-            delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
+            ctx, xq = self._attention(li, q, k, v, rows, idx, rope, Lb, mask, q0, attn.linear_proj)
+            if xq is None:
+                delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
+            else:  # ctx's FP8 bytes from the attention kernel
+                with attn.linear_proj.hinted(prequantized_input=xq):
+                    delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
             fc1 = getattr(layer.mlp, "linear_fc1", None)
             h, x, xq = self._add_norm(h, delta, layer.pre_mlp_layernorm, fc1, splits)
             if xq is None:
