@@ -320,9 +320,9 @@ def test_decoder_attention_quantizes_for_the_output_projection(kv_cache, tmp_pat
 
 def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single):
     """jet with the small-M GEMM on a model wide enough for split-K (hidden 1024, FFN 2048): the
-    output projection's and fc2's fp32 partials summed inside the next residual add + RMSNorm kernel
-    give the logits of the same decoder with the GEMM's own sum kernel, bytes identical (prefill and
-    20 decode steps), and the split really happened."""
+    output projection's and fc2's fp32 partials summed inside the next residual add + RMSNorm kernel, and the fused
+    QKV's inside the RoPE + cache kernel, give the logits of the same decoder with the GEMM's own sum kernel, bytes
+    identical (prefill and 20 decode steps), and the splits really happened."""
     from megatron_jetrl.rollout.decode import StaticDecoder
     from tests.hf_models import make_hf_model
     from tests.workers import build_loaded
@@ -346,8 +346,9 @@ def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single)
             dec.defer_split_sum = defer
             outs[defer] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
             if defer:
-                splits = [layer.self_attention.linear_proj.deferred_splits for layer in dec.layers]
-    assert max(splits) > 1, splits
+                splits = [(layer.self_attention.linear_proj.deferred_splits, layer.self_attention.linear_qkv.deferred_splits)
+                          for layer in dec.layers]
+    assert min(min(s) for s in splits) > 1, splits  # the output projection's and the fused QKV's partials
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
 
 

@@ -394,6 +394,28 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
         rest[c[w]] = False
         assert not (kcs[r][:, rest].any() or vcs[r][:, rest].any() or k8[r][:, rest].float().any() or ks8[r][:, rest].any())
     assert S == 1 or (idx[None, :] - sh[:, None] < 0).any()  # a pad column was skipped
+    # a split-K QKV GEMM's fp32 partials summed by the same kernel (split order, rounded to the dtype): the bytes of
+    # the sum kernel's output through the kernel, in q (a new tensor), the caches and the scales
+    for splits, dt in ((2, torch.float16), (3, torch.float32)):
+        part = torch.randn(splits, S, b, (H + 2 * G) * D, generator=g)  # the rollout layout [q | k | v]
+        summed = part[0].clone()
+        for i in range(1, splits):
+            summed += part[i]
+        summed = summed.to(dt)
+        views = [[x.unflatten(-1, (-1, D)) for x in torch.split(t, [H * D, G * D, G * D], dim=-1)]
+                 for t in (part[0], summed)]
+        res = []
+        for (pq, pk, pv), pp in zip(views, ((splits, part.stride(0)), None)):
+            caches = (torch.zeros_like(kc), torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2),
+                      torch.zeros(b, G, L), torch.zeros(b, G, L))
+            qr = rope_and_cache(pq, pk, pv, cos.to(dt), sin.to(dt), *caches[:2], idx, *caches[2:], recipe,
+                                partials=pp, dtype=dt)
+            res.append((qr, *caches))
+        assert res[0][0].dtype == dt and not res[0][0].data_ptr() == part.data_ptr()
+        assert torch.equal(res[0][0], res[1][0]) and bool(res[0][3].any())
+        assert all(torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                               y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+                   for x, y in zip(res[0][1:], res[1][1:]))
     kv = qkv[..., hpg * D:hpg * D + D]  # a strided view, as the fused QKV split returns
     kb, kbs = kernel_bytes(kv)
     assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * kbs[..., None])

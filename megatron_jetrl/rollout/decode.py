@@ -294,21 +294,30 @@ class StaticDecoder:
         return None, False
 
     def _qkv(self, attn, x, xq=None):
-        """q [S, b, heads, d], k, v [S, b, groups, d]: megatron's ``get_query_key_value_tensors``, except
+        """(q [S, b, heads, d], k, v [S, b, groups, d], partials): megatron's ``get_query_key_value_tensors``, except
         for an FP8 fused QKV, whose cached weight rows are in the rollout's ``[q | k | v]`` order: its
         GEMM output is split in that order directly (same values, without permuting the output back to
-        megatron's interleaved order and copying q out of it)."""
+        megatron's interleaved order and copying q out of it). ``partials``: None, or ``(splits, stride)`` where
+        the small-M GEMM split K and the RoPE + cache kernel sums its fp32 partials (q, k, v views of the first;
+        ``defer_split_sum`` with the fused RoPE, no q/k norms)."""
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
         hinted = lin.hinted if hasattr(lin, "hinted") else None
         if (self.exact or cache is None or cache.perm is None or not lin.fp8_active()
                 or attn.config.num_query_groups < attn.world_size):
             if hinted is None or xq is None:
-                return attn.get_query_key_value_tensors(x, None)
+                return *attn.get_query_key_value_tensors(x, None), None
             with hinted(prequantized_input=xq):  # x's FP8 bytes from the fused norm (kernels/rmsnorm.py)
-                return attn.get_query_key_value_tensors(x, None)
-        with hinted(prequantized_input=xq, rollout_layout_output=True):
+                return *attn.get_query_key_value_tensors(x, None), None
+        defer = (self.defer_split_sum and self.fused_rope and attn.q_layernorm is None and attn.k_layernorm is None
+                 and getattr(lin, "bias", None) is None)
+        lin.deferred_splits = 1
+        with hinted(prequantized_input=xq, rollout_layout_output=True, defer_split_sum=defer):
             out, _ = lin(x)
+        splits = lin.deferred_splits if defer else 1
+        part = (splits, out.stride(0)) if splits > 1 else None
+        if part is not None:  # [splits, S * b, N] fp32: q, k, v from the first split (the RoPE kernel sums them)
+            out = out[0].view(*x.shape[:2], out.shape[-1])
         (S, b), hd, gd = out.shape[:2], self.heads * self.dim, self.groups * self.dim
         q = out[..., :hd].view(S, b, self.heads, self.dim)
         k = out[..., hd:hd + gd].view(S, b, self.groups, self.dim)
@@ -317,22 +326,23 @@ class StaticDecoder:
             q = attn.q_layernorm(q)
         if attn.k_layernorm is not None:
             k = attn.k_layernorm(k)
-        return q, k, v
+        return q, k, v, part
 
     def _attention(self, li: int, q, k, v, rows: slice, idx: torch.Tensor, rope: tuple, Lb: int,
-                   mask: torch.Tensor, q0: torch.Tensor | None = None, proj=None):
+                   mask: torch.Tensor, q0: torch.Tensor | None = None, proj=None, part=None):
         """q [S, b, heads, d], k/v [S, b, groups, d] at cache columns ``idx`` [S] (``rope``: the RoPE
         table rows and their cos/sin) -> ([S, b, heads*d], xq). Exact mode: the cache is indexed by each row's own
         position (column ``idx - pads``; ``q0`` [b]: the position of column ``idx[0]``). ``xq``: on a decode step
         with the Triton kernel, the output's FP8 bytes and scales for the output projection ``proj`` (its
-        activation quantization, written by the attention kernel: ``_input_quant``), else None."""
+        activation quantization, written by the attention kernel: ``_input_quant``), else None. ``part``: q, k, v
+        are views of the QKV GEMM's first fp32 partial (``_qkv``), summed by the RoPE + cache kernel."""
         S, b = idx.shape[0], q.shape[1]
         f, cos, sin = rope
         kc, vc = self.k[li, rows], self.v[li, rows]  # [b, g, L, d] views
         ks, vs = (None, None) if self.ks is None else (self.ks[li, rows], self.vs[li, rows])  # [b, g, L]
         shift = self.pads[rows] if self.exact else None
         if self.fused_rope:  # RoPE on q in place, RoPE'd k and v into the cache (quantized: FP8 KV): one kernel
-            rope_and_cache(q, k, v, cos, sin, kc, vc, idx, ks, vs, self.kv_recipe, shift)
+            q = rope_and_cache(q, k, v, cos, sin, kc, vc, idx, ks, vs, self.kv_recipe, shift, part, self.dtype)
         else:
             if self.cfg.rotary_interleaved:
                 q, k = apply_rotary_pos_emb(q, f, config=self.cfg), apply_rotary_pos_emb(k, f, config=self.cfg)
@@ -410,8 +420,8 @@ class StaticDecoder:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attention
             h, x, xq = self._add_norm(h, delta, layer.input_layernorm, attn.linear_qkv, splits)
-            q, k, v = self._qkv(attn, x, xq)
-            ctx, xq = self._attention(li, q, k, v, rows, idx, rope, Lb, mask, q0, attn.linear_proj)
+            q, k, v, part = self._qkv(attn, x, xq)
+            ctx, xq = self._attention(li, q, k, v, rows, idx, rope, Lb, mask, q0, attn.linear_proj, part)
             if xq is None:
                 delta, splits = self._deferred(attn.linear_proj, attn.linear_proj, ctx)
             else:  # ctx's FP8 bytes from the attention kernel
