@@ -51,6 +51,7 @@ def test_bench_rollout_harness(tmp_path):
     # the host's launch time within the wall time; the GPU's back-to-back time only on CUDA
     assert all(0 < r["graph_host_ms_at_mean"] <= r["graph_step_ms_at_mean"] and r["eager_host_ms_at_mean"] > 0
                and math.isnan(r["graph_gpu_ms_at_mean"]) for r in rows)
+    assert all(r["sm_MHz"] is None and r["power_capped_share"] is None for r in rows)  # no nvidia-smi on the CPU
 
 
 def test_kernel_table_on_cpu():
@@ -111,3 +112,19 @@ def test_copy_sources_names_the_calling_frame_and_the_backward_node():
     assert any("ToCopyBackward" in w for w in where), where  # the cast's backward copies back to fp32
     assert sum(r["count"] for r in rows) >= 3 and all(r["ms"] > 0 for r in rows)
     assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
+
+
+def test_gpu_sampler_reads_clocks_power_and_the_power_cap():
+    """The board telemetry the rollout benchmark records: means over nvidia-smi's sample lines, the first two
+    dropped, the power cap's share of samples from its Active / Not Active column, unreadable lines skipped."""
+    from megatron_jetrl.bench.timing import GpuSampler
+
+    smp = GpuSampler()
+    smp.parse("1980, 300.0, 700.00, Not Active\n1980, 310.0, 700.00, Not Active\n"
+              "1980, 650.5, 700.00, Not Active\n[N/A], 690.0, 700.00, Active\n"
+              "1755, 699.5, 700.00, Active\n1830, 698.0, 700.00, Active\n")
+    assert smp.row() == {"sm_MHz": (1980 + 1755 + 1830) / 3, "power_W": (650.5 + 699.5 + 698.0) / 3,
+                         "power_limit_W": 700.0, "power_capped_share": 2 / 3}
+    empty = GpuSampler()
+    empty.parse("Field \"clocks_event_reasons.sw_power_cap\" is not a valid field to query.\n")
+    assert set(empty.row().values()) == {None}

@@ -269,7 +269,8 @@ def test_decoder_fused_add_norm_quant_equals_unfused(mode, small_m, cublas, tmp_
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_decoder_attention_quantizes_for_the_output_projection(kv_cache, tmp_path, megatron_single, monkeypatch):
-    """jet on the Triton decode attention (head_dim 128, the recipe's group), BF16 or FP8 KV cache: the output
+    """jet on the Triton decode attention (head_dim 128, the recipe's group), FP8 KV cache (the key-major kernel;
+    the BF16 cache's head-major kernel does not quantize): the output
     projection's activation quantization written by the attention kernel gives the logits of the same decoder
     quantizing in the projection (identical bytes, prefill and 20 decode steps, 16 and 96 rows: the small-M GEMM's
     row-major scales and cuBLAS's column-major ones), and the kernel's bytes and scales are torch's rule's on its
@@ -315,7 +316,10 @@ def test_decoder_attention_quantizes_for_the_output_projection(kv_cache, tmp_pat
                 dec.fuse_attn_quant = fuse
                 outs[fuse] = [dec.prefill(tokens, key_pad)] + [dec.step(ids[t]).clone() for t in range(20)]
         assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
-    assert fused_calls.count(False) == 20 * 2 and fused_calls.count(True) == 20 * 2  # 2 layers x 20 steps per batch
+    # 2 layers x 20 steps per batch with the FP8 cache (the key-major kernel); the BF16 cache's head-major kernel
+    # leaves the quantization to the projection
+    fused = 20 * 2 if kv_cache == "fp8" else 0
+    assert fused_calls.count(False) == fused and fused_calls.count(True) == fused
 
 
 def test_decoder_deferred_split_sum_equals_sum_kernel(tmp_path, megatron_single):

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megatron_jetrl.bench.timing import MODES_HELP, dump_json, mode_overrides, print_table
+from megatron_jetrl.bench.timing import MODES_HELP, GpuSampler, dump_json, mode_overrides, print_table
 
 WARMUP_TOKENS = 1024  # the untimed first rollout's length at most (graph capture and compiles happen there)
 
@@ -145,9 +145,10 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    gens = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
+    with GpuSampler() as board:  # the clocks and power of the timed rollout (the power cap can hold clocks down)
+        t0 = time.perf_counter()
+        gens = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
     st = engine.last_stats
     capture = st.get("graph_capture_s", 0.0)
     wall = elapsed - capture
@@ -201,7 +202,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
            "gemm_tuning": tuning,
            "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in tuning.items() if v["kernel"] == "deepgemm") or "-",
-           "sample_tokens": sum(len(x.output_ids) for x in gens)}
+           "sample_tokens": sum(len(x.output_ids) for x in gens), **board.row()}
     timed = ("kernel_ms", "graph_", "eager_", "prefill_kernel")
     for k, v in kernels.items():
         out[k if k.startswith(timed) else k.replace("top", "top_kernels")] = v
@@ -255,7 +256,8 @@ def main(argv=None) -> list[dict]:
     cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms",
             "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
-            "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes"]
+            "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes",
+            "sm_MHz", "power_W", "power_capped_share"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean",
                          "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean",
                          "graph_host_ms_at_mean", "graph_gpu_ms_at_mean", "eager_host_ms_at_mean", "eager_gpu_ms_at_mean")

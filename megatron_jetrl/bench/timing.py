@@ -53,11 +53,16 @@ def time_sustained_ms(fns: dict, rounds: int = 3, rep: int = 100, heat_ms: int =
 
 
 class GpuSampler:
-    """Mean SM clock (MHz) and board power (W) while the ``with`` block runs, sampled by
-    ``nvidia-smi -lms`` in the background; ``None`` values where nvidia-smi is missing."""
+    """What the board ran at while the ``with`` block runs, sampled by ``nvidia-smi -lms`` in the background: mean SM
+    clock (MHz), board power (W), its limit (W) and the share of samples with the software power cap holding the
+    clocks down (``clocks_event_reasons.sw_power_cap``); ``None`` values where nvidia-smi is missing or answers
+    nothing."""
+
+    FIELDS = "clocks.sm,power.draw,power.limit,clocks_event_reasons.sw_power_cap"
 
     def __init__(self, period_ms: int = 50):
-        self.period_ms, self.proc, self.sm_mhz, self.watts = period_ms, None, None, None
+        self.period_ms, self.proc = period_ms, None
+        self.sm_mhz = self.watts = self.limit_watts = self.power_capped = None
 
     def __enter__(self):
         import shutil
@@ -65,7 +70,7 @@ class GpuSampler:
 
         if shutil.which("nvidia-smi"):
             idx = torch.cuda.current_device() if torch.cuda.is_available() else 0
-            self.proc = subprocess.Popen(["nvidia-smi", "-i", str(idx), "--query-gpu=clocks.sm,power.draw",
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", str(idx), f"--query-gpu={self.FIELDS}",
                                           "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
@@ -75,17 +80,28 @@ class GpuSampler:
             return False
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
+        self.parse(out)
+        return False
+
+    def parse(self, out: str) -> None:
+        """Means over nvidia-smi's sample lines (``FIELDS``; the first two dropped: they can predate the work)."""
         vals = []
         for line in out.splitlines():
+            f = [v.strip() for v in line.split(",")]
             try:
-                vals.append([float(v) for v in line.split(",")])
-            except ValueError:
+                vals.append((float(f[0]), float(f[1]), float(f[2]), f[3].lower() == "active"))
+            except (ValueError, IndexError):
                 continue
-        vals = vals[2:] or vals  # the first samples can predate the work
+        vals = vals[2:] or vals
         if vals:
-            self.sm_mhz = sum(v[0] for v in vals) / len(vals)
-            self.watts = sum(v[1] for v in vals) / len(vals)
-        return False
+            n = len(vals)
+            self.sm_mhz, self.watts, self.limit_watts = (sum(v[i] for v in vals) / n for i in range(3))
+            self.power_capped = sum(v[3] for v in vals) / n
+
+    def row(self) -> dict:
+        """The means as benchmark-row fields."""
+        return {"sm_MHz": self.sm_mhz, "power_W": self.watts, "power_limit_W": self.limit_watts,
+                "power_capped_share": self.power_capped}
 
 
 def time_graph_ms(fn, rep: int = 50) -> float:
