@@ -47,30 +47,48 @@ def _sync():
 
 
 def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
-    """``steps`` decode steps from the decoder's position, twice: timed by the host (wall time per step around the
-    launches and a final sync, and the launches' own time: a loop whose launches take as long as its wall time is
-    bound by the host), then with the launches queued behind a GPU sleep, timed between CUDA events: the GPU's time
-    per step with its kernels back to back, whatever the host costs. Returns ``{"step_ms", "host_ms", "gpu_ms"}``
-    (``gpu_ms`` NaN off CUDA, or where the host's launches outlast the sleep)."""
+    """``steps`` decode steps from the decoder's position, twice. First as the rollout runs them (the host launching
+    while the GPU works): wall time per step (host clock around the launches and a final sync), the launches' own
+    time (a loop whose launches take as long as its wall time is bound by the host), and from CUDA events around
+    each step the GPU's time per step and the idle time between steps (medians). Then with the launches queued
+    behind a GPU sleep: the GPU's time per step with the steps back to back from a rested board, over the first and
+    the last quarter of the steps. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
+    "rested_last_ms"}`` (the event times NaN off CUDA; the rested ones also where the host's launches outlast the
+    sleep)."""
+    import statistics
+
+    cuda = torch.cuda.is_available()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)] if cuda else []
     _sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        if cuda:
+            ev[i][0].record()
         dec.step(ids)
+        if cuda:
+            ev[i][1].record()
     host = time.perf_counter() - t0
     _sync()
-    out = {"step_ms": (time.perf_counter() - t0) / steps * 1e3, "host_ms": host / steps * 1e3, "gpu_ms": float("nan")}
-    if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        sleep_s = 0.05 + 2 * host  # the queue filled before the GPU reaches it
-        torch.cuda._sleep(int(sleep_s * 2.5e9))  # cycles; >= sleep_s below 2.5 GHz
-        start.record()
-        for _ in range(steps):
-            dec.step(ids)
-        end.record()
-        early = start.query()  # the GPU reached the first step before the host had queued them all
-        end.synchronize()
-        if not early:
-            out["gpu_ms"] = start.elapsed_time(end) / steps
+    nan = float("nan")
+    out = {"step_ms": (time.perf_counter() - t0) / steps * 1e3, "host_ms": host / steps * 1e3, "gpu_ms": nan,
+           "between_ms": nan, "rested_first_ms": nan, "rested_last_ms": nan}
+    if not cuda:
+        return out
+    out["gpu_ms"] = statistics.median(a.elapsed_time(b) for a, b in ev)
+    out["between_ms"] = statistics.median(ev[i][1].elapsed_time(ev[i + 1][0]) for i in range(steps - 1)) if steps > 1 else 0.0
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    sleep_s = 0.05 + 2 * host  # the queue filled before the GPU reaches it
+    torch.cuda._sleep(int(sleep_s * 2.5e9))  # cycles; >= sleep_s below 2.5 GHz
+    for i in range(steps):
+        marks[i].record()
+        dec.step(ids)
+    marks[steps].record()
+    early = marks[0].query()  # the GPU reached the first step before the host had queued them all
+    marks[steps].synchronize()
+    if not early:
+        q = max(1, steps // 4)
+        span = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
+        out["rested_first_ms"], out["rested_last_ms"] = statistics.median(span[:q]), statistics.median(span[-q:])
     return out
 
 
@@ -92,9 +110,7 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
         for _ in range(min(skip, dec.L - dec._host_pos - steps - 8)):  # graph steps to the mean length
             dec.step(ids)
         if tag:  # the graph-replayed step's wall time at this length, and its kernels' time as replayed
-            w = step_wall(dec, ids, steps)
-            out["graph_step_ms" + tag], out["graph_host_ms" + tag], out["graph_gpu_ms" + tag] = (
-                w["step_ms"], w["host_ms"], w["gpu_ms"])
+            out.update({f"graph_{k}{tag}": v for k, v in step_wall(dec, ids, steps).items()})
             if dec.use_graphs:
                 g = kernel_table(lambda: dec.step(ids), steps, f"graph-replayed decode step at {dec._host_pos} keys",
                                  top=30, gaps=True)
@@ -108,7 +124,7 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
             k = kernel_table(lambda: dec.step(ids), n, f"decode step at {dec._host_pos} keys", top=30)
             if tag:  # the same steps launched eagerly, unprofiled, back to back: a graph slower than its kernels shows
                 w = step_wall(dec, ids, 2)  # two steps (~900 launches): more may not queue ahead of the GPU
-                out["eager_host_ms" + tag], out["eager_gpu_ms" + tag] = w["host_ms"], w["gpu_ms"]
+                out["eager_host_ms" + tag], out["eager_gpu_ms" + tag] = w["host_ms"], w["rested_last_ms"]
         finally:
             dec.use_graphs = use
         out["kernel_ms_per_step" + tag], out["top" + tag] = k["ms_per_call"], k["top"]
@@ -260,7 +276,8 @@ def main(argv=None) -> list[dict]:
             "sm_MHz", "power_W", "power_capped_share"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean",
                          "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean",
-                         "graph_host_ms_at_mean", "graph_gpu_ms_at_mean", "eager_host_ms_at_mean", "eager_gpu_ms_at_mean")
+                         "graph_host_ms_at_mean", "graph_gpu_ms_at_mean", "graph_between_ms_at_mean",
+                         "graph_rested_first_ms_at_mean", "graph_rested_last_ms_at_mean", "eager_gpu_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
     return rows
