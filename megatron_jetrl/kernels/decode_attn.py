@@ -36,6 +36,9 @@ converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's sc
 the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax
 weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and
 the result equals the same kernel over the dequantized cache bit for bit.
+With one key split the key-major kernel can also write the output projection's FP8 input (``quant``): the E4M3
+bytes and 1 x head_dim scales the activation quantizer would compute from the BF16 output, one launch fewer per
+layer.
 Runs under ``TRITON_INTERPRET=1`` on CPU (the tests compare it with SDPA there).
 """
 from __future__ import annotations

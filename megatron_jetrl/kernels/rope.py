@@ -9,7 +9,9 @@ the same bytes (with an FP8 KV cache, the E4M3 bytes and scales of ``quant.quant
 are computed once per forward by torch exactly as megatron does (``(cos(freqs) * mscale).to(dtype)``), and
 every product and the sum are rounded to the tensor's dtype in the same order as megatron's eager ops
 (``t * cos``, ``rotate_half(t) * sin``, their sum), which is what torch's CUDA elementwise kernels compute
-(float math, one rounding per op).
+(float math, one rounding per op). Fed the fused QKV GEMM's split-K fp32 partials instead of its output, the
+kernel sums them first, in split order, rounded to the model's dtype: the bytes of the GEMM's own sum kernel,
+one launch fewer per layer.
 
 :func:`rope_torch` is the same statement in torch ops with the shared cos/sin (the CPU path, and
 the reference of the tests).
