@@ -1,7 +1,7 @@
 """The Triton kernels under Triton's CPU interpreter (subprocesses with TRITON_INTERPRET=1), kernel
 against its torch statement: small-M GEMM, fused SwiGLU quantizer, SwiGLU backward, transposes, the dual
 gradient quantizer, RoPE (decode and training), RMSNorm, the fused add + RMSNorm + quantizer."""
-from tests.common import run_interpreted
+from tests.common import REPO, run_interpreted
 
 def test_small_m_triton_gemm_under_the_interpreter():
     """The fused small-M kernel (CUDA in production) run by Triton's CPU interpreter: the activation
@@ -713,3 +713,21 @@ assert all(torch.equal(a.grad, c.grad) for a, c in ((qa, qb), (ka, kb), (va, vb)
 print("ok")
 '''
     run_interpreted(code)
+
+
+def test_sustained_probe_runs_every_part_under_the_interpreter():
+    """``tools/sustained_probe.py`` (part ``sustained``: which part of the FP8-cache decode step slows under sustained
+    load) on small shapes: every part runs, rested and sustained step times for each (the times mean nothing here)."""
+    code = r'''
+import sys
+sys.path.insert(0, "tools")
+import sustained_probe
+rows = sustained_probe.main(["--device", "cpu", "--layers", "2", "--batch", "2", "--heads", "4,2", "--dim", "32",
+                             "--pos", "40", "--steps", "4", "--heat", "0", "--heat-steps", "1",
+                             "--gemm-shapes", "256:128,128:256"])
+assert [r["part"] for r in rows] == ["write+attn fp8", "write fp8", "attn fp8", "write+attn fp8, V [L, d]",
+                                     "write+sdpa bf16", "gemms"], rows
+assert all(r["rested_first_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
+print("ok")
+'''
+    run_interpreted(code, cwd=REPO)

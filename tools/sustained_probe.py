@@ -1,0 +1,182 @@
+"""Which part of the decode step over the FP8 KV cache slows under sustained load (CUDA; CUDA graphs).
+
+The rollout's graph-replayed step with the FP8 cache runs ~0.5 ms (9%) slower after some hundred milliseconds of
+continuous work than on a rested board, where jet's step over the BF16 cache does not (docs/benchmarks.md, "FP8 KV
+cache", "Rested and sustained"). This probe captures the step's parts as separate CUDA graphs over the 8B decode
+shapes (``--layers`` layers, ``--batch`` rows at ``--pos`` keys; every replay advances the position, as decoding
+does) and times each two ways: rested (queued behind a GPU sleep; the median step of the first and of the last
+quarter of ``--steps``) and sustained (after ``--heat`` seconds of replays; the median step). Parts:
+
+- ``write+attn fp8``: per layer the RoPE + FP8 cache write and the key-major decode attention (the decoder's pair);
+- ``write fp8`` / ``attn fp8``: each alone;
+- ``write+attn fp8, V [L, d]``: the pair with V stored ``[L, d]`` (contiguous writes, strided attention tiles);
+- ``write+sdpa bf16``: the BF16 cache written by the same kernel and read by SDPA over the length bucket (jet);
+- ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes ''`` skips their 7 GB of weights).
+
+A part whose sustained step exceeds its rested one by more than the others carries the slowdown.
+Usage: python tools/sustained_probe.py [--layers 32] [--batch 64] [--pos 2048] [--steps 40] [--heat 2] [--json F]
+``--device cpu`` runs each part eagerly under ``TRITON_INTERPRET=1`` on small shapes (a smoke run; times meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.kernels.decode_attn import decode_attention
+from megatron_jetrl.kernels.rope import rope_and_cache
+from megatron_jetrl.kernels.triton_gemm import small_m_linear
+from megatron_jetrl.precision.quant import quantize_act, quantize_weight
+from megatron_jetrl.precision.recipe import FP8Recipe
+
+KV = FP8Recipe(kv_cache="fp8")
+
+
+def parts(a, dev: torch.device) -> dict:
+    """name -> a function running one decode step's part over every layer (and advancing ``pos``)."""
+    H, G = map(int, a.heads.split(","))
+    B, d, nl, L = a.batch, a.dim, a.layers, a.pos + a.steps * 4 + a.heat_steps + 8
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    pos = torch.tensor([a.pos], device=dev)
+    q = torch.randn(nl, 1, B, H, d, device=dev, dtype=dt, generator=g)
+    k = torch.randn(nl, 1, B, G, d, device=dev, dtype=dt, generator=g)
+    v = torch.randn(nl, 1, B, G, d, device=dev, dtype=dt, generator=g)
+    ang = torch.rand(B, d, device=dev, generator=g)
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+    ok = torch.ones(B, L, dtype=torch.bool, device=dev)
+    kc = torch.randn(nl, B, G, L, d, device=dev, generator=g).to(torch.float8_e4m3fn)
+    vkm = torch.randn(nl, B, G, d, L, device=dev, generator=g).to(torch.float8_e4m3fn).transpose(3, 4)  # key-major
+    vrow = vkm.contiguous()  # V [L, d]
+    ks = torch.full((nl, B, G, L), 2.0 ** -6, device=dev)
+    vs = ks.clone()
+    kb = torch.randn(nl, B, G, L, d, device=dev, dtype=dt, generator=g)
+    vb = torch.randn_like(kb)
+    scale = d ** -0.5
+
+    def pair(v_cache, write=True, attn=True):
+        def run():
+            for li in range(nl):
+                if write:
+                    rope_and_cache(q[li], k[li], v[li], cos, sin, kc[li], v_cache[li], pos, ks[li], vs[li], KV)
+                if attn:
+                    decode_attention(q[li, 0], kc[li], v_cache[li], ok, pos, scale, 1, 128, 2, 4,
+                                     k_scale=ks[li], v_scale=vs[li])
+            pos.add_(1)
+        return run
+
+    def sdpa():
+        Lb = min(L, -(-(a.pos + 1) // 256) * 256)  # the SDPA bucket at the probe's start
+        mask = torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt)
+        for li in range(nl):
+            rope_and_cache(q[li], k[li], v[li], cos, sin, kb[li], vb[li], pos)
+            F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        pos.add_(1)
+
+    out = {"write+attn fp8": pair(vkm), "write fp8": pair(vkm, attn=False), "attn fp8": pair(vkm, write=False),
+           "write+attn fp8, V [L, d]": pair(vrow), "write+sdpa bf16": sdpa}
+    shapes = [tuple(map(int, x.split(":"))) for x in a.gemm_shapes.split(",") if x]
+    if shapes:
+        # the inputs pre-quantized, as the decoder's fused norm / SwiGLU / attention kernels hand them over
+        xs = {kk: torch.randn(B, kk, device=dev, dtype=dt, generator=g) for kk in {kk for _, kk in shapes}}
+        xq = {kk: quantize_act(x, FP8Recipe()) for kk, x in xs.items()}
+        w = [[quantize_weight(torch.randn(n, kk, device=dev, dtype=dt, generator=g) / 64, FP8Recipe())
+              for n, kk in shapes] for _ in range(nl)]
+
+        def gemms():
+            for layer in w:
+                for (n, kk), (qw, sw) in zip(shapes, layer):
+                    small_m_linear(xs[kk], qw, sw, FP8Recipe(), xq=xq[kk])
+        out["gemms"] = gemms
+    return out, pos
+
+
+def probe(fn, pos: torch.Tensor, start: int, a) -> dict:
+    """Rested (first and last quarter of ``a.steps`` steps queued behind a GPU sleep) and sustained (after
+    ``a.heat`` s of steps) median step times in ms of ``fn`` (a CUDA graph's replay on CUDA)."""
+    cuda = pos.is_cuda
+
+    def spans(n):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
+        t = []
+        for i in range(n):
+            if cuda:
+                ev[i].record()
+            else:
+                t0 = time.perf_counter()
+            fn()
+            if not cuda:
+                t.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            ev[n].record()
+            ev[n].synchronize()
+            t = [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+        return t
+
+    pos.fill_(start)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(0.3 * 2.5e9))  # a rested board; the steps queue behind it
+    rested = spans(a.steps)
+    q = max(1, a.steps // 4)
+    pos.fill_(start)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < a.heat:  # sustained: keep the GPU busy, positions cycling over a window
+        for _ in range(a.heat_steps):
+            fn()
+        pos.fill_(start)
+        if cuda:
+            torch.cuda.synchronize()
+    sustained = spans(a.steps)
+    return {"rested_first_ms": statistics.median(rested[:q]), "rested_last_ms": statistics.median(rested[-q:]),
+            "sustained_ms": statistics.median(sustained)}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", default="32,8")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--pos", type=int, default=2048, help="keys before the first step")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--heat", type=float, default=2.0, help="seconds of steps before the sustained timing")
+    ap.add_argument("--heat-steps", type=int, default=64, help="steps per heating round (positions then restart)")
+    ap.add_argument("--gemm-shapes", default="6144:4096,4096:4096,28672:4096,4096:14336",
+                    help="N:K of the FP8 GEMMs per layer (the 8B QKV, output projection, fc1, fc2); '' skips them")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    fns, pos = parts(a, dev)
+    rows = []
+    for name, fn in fns.items():
+        run = fn
+        if dev.type == "cuda":  # warm up (compiles), then capture one step
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        r = {"part": name, **probe(run, pos, a.pos, a)}
+        r["sustained_vs_rested"] = r["sustained_ms"] / r["rested_first_ms"]
+        rows.append(r)
+        print(f"{name:28s} rested {r['rested_first_ms']:7.3f} -> {r['rested_last_ms']:7.3f} ms   sustained "
+              f"{r['sustained_ms']:7.3f} ms   ({r['sustained_vs_rested']:.3f}x)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
