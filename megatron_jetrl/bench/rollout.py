@@ -96,9 +96,10 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
     """Kernel time per decode step by kernel (the same decoder stepped eagerly under the profiler
     after a prefill; kernel durations are the graph's, the host gaps are not), first right after the
     prefill and then, with ``advance``, that many (graph) steps later, where attention reads the
-    rollout's mean number of keys; there also the graph's wall time, host launch time and back-to-back GPU time per
-    step (``step_wall``; the eager step's too), and, profiled over graph replays, its kernels as replayed and the
-    idle time between them (``timing.idle_gaps``): where wall time and kernel time part."""
+    rollout's mean number of keys; there also the graph's step timed as the rollout launches it (wall, host and GPU
+    time) and on a rested board (``step_wall``; the eager step's rested time too), and, profiled over graph replays,
+    its kernels as replayed and the idle time between them (``timing.idle_gaps``): where wall time and kernel time
+    part."""
     from megatron_jetrl.bench.timing import kernel_table
 
     ids = torch.zeros(dec.B, dtype=torch.long, device=dec.device)
