@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megatron_jetrl.bench.timing import quarter_medians, step_spans_ms
 from megatron_jetrl.kernels.decode_attn import decode_attention
 from megatron_jetrl.kernels.rope import rope_and_cache
 from megatron_jetrl.kernels.triton_gemm import small_m_linear
@@ -99,42 +100,19 @@ def parts(a, dev: torch.device) -> dict:
 def probe(fn, pos: torch.Tensor, start: int, a) -> dict:
     """Rested (first and last quarter of ``a.steps`` steps queued behind a GPU sleep) and sustained (after
     ``a.heat`` s of steps) median step times in ms of ``fn`` (a CUDA graph's replay on CUDA)."""
-    cuda = pos.is_cuda
-
-    def spans(n):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
-        t = []
-        for i in range(n):
-            if cuda:
-                ev[i].record()
-            else:
-                t0 = time.perf_counter()
-            fn()
-            if not cuda:
-                t.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            ev[n].record()
-            ev[n].synchronize()
-            t = [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
-        return t
-
     pos.fill_(start)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(0.3 * 2.5e9))  # a rested board; the steps queue behind it
-    rested = spans(a.steps)
-    q = max(1, a.steps // 4)
+    rested = step_spans_ms(fn, a.steps, rest_s=0.3)  # a rested board; the steps queue behind a GPU sleep
     pos.fill_(start)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < a.heat:  # sustained: keep the GPU busy, positions cycling over a window
         for _ in range(a.heat_steps):
             fn()
         pos.fill_(start)
-        if cuda:
+        if pos.is_cuda:
             torch.cuda.synchronize()
-    sustained = spans(a.steps)
-    return {"rested_first_ms": statistics.median(rested[:q]), "rested_last_ms": statistics.median(rested[-q:]),
-            "sustained_ms": statistics.median(sustained)}
+    first, last = quarter_medians(rested)
+    return {"rested_first_ms": first, "rested_last_ms": last,
+            "sustained_ms": statistics.median(step_spans_ms(fn, a.steps))}
 
 
 def main(argv=None) -> list[dict]:

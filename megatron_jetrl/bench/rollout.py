@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from megatron_jetrl.bench.timing import MODES_HELP, GpuSampler, dump_json, mode_overrides, print_table
+from megatron_jetrl.bench.timing import (MODES_HELP, GpuSampler, dump_json, mode_overrides, print_table,
+                                         quarter_medians, step_spans_ms)
 
 WARMUP_TOKENS = 1024  # the untimed first rollout's length at most (graph capture and compiles happen there)
 
@@ -76,19 +77,9 @@ def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
         return out
     out["gpu_ms"] = statistics.median(a.elapsed_time(b) for a, b in ev)
     out["between_ms"] = statistics.median(ev[i][1].elapsed_time(ev[i + 1][0]) for i in range(steps - 1)) if steps > 1 else 0.0
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    sleep_s = 0.05 + 2 * host  # the queue filled before the GPU reaches it
-    torch.cuda._sleep(int(sleep_s * 2.5e9))  # cycles; >= sleep_s below 2.5 GHz
-    for i in range(steps):
-        marks[i].record()
-        dec.step(ids)
-    marks[steps].record()
-    early = marks[0].query()  # the GPU reached the first step before the host had queued them all
-    marks[steps].synchronize()
-    if not early:
-        q = max(1, steps // 4)
-        span = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
-        out["rested_first_ms"], out["rested_last_ms"] = statistics.median(span[:q]), statistics.median(span[-q:])
+    # a rested board: the steps queued behind a GPU sleep longer than their launches take
+    rested = step_spans_ms(lambda: dec.step(ids), steps, rest_s=0.05 + 2 * host)
+    out["rested_first_ms"], out["rested_last_ms"] = quarter_medians(rested)
     return out
 
 

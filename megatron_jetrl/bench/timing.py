@@ -104,6 +104,42 @@ class GpuSampler:
                 "power_capped_share": self.power_capped}
 
 
+def step_spans_ms(fn, steps: int, rest_s: float = 0.0) -> list[float] | None:
+    """Milliseconds of each of ``steps`` calls of ``fn()``: between CUDA events recorded before each call (the GPU's
+    time per step, idle time included), or by the host clock off CUDA. ``rest_s`` > 0 (CUDA): the calls queue behind
+    a GPU sleep of that long, so they run back to back from a rested board; None where the GPU reached the first
+    call before the host had queued them all (the sleep too short)."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    if rest_s > 0:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(rest_s * 2.5e9))  # cycles; >= rest_s below 2.5 GHz
+    for i in range(steps):
+        marks[i].record()
+        fn()
+    marks[steps].record()
+    early = rest_s > 0 and marks[0].query()
+    marks[steps].synchronize()
+    return None if early else [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
+
+
+def quarter_medians(spans: list[float] | None) -> tuple[float, float]:
+    """(median of the first quarter, median of the last quarter) of per-step times; NaN for None."""
+    import statistics
+
+    if not spans:
+        return float("nan"), float("nan")
+    q = max(1, len(spans) // 4)
+    return statistics.median(spans[:q]), statistics.median(spans[-q:])
+
+
 def time_graph_ms(fn, rep: int = 50) -> float:
     """Median milliseconds of ``fn()`` replayed from a CUDA graph: GPU time without the host's
     launch overhead, which is how a graph-captured decode step runs its linears (at decode sizes
