@@ -769,6 +769,10 @@ for attention in ("sdpa", "triton"):
     runs[attention] = engine.generate(prompts, params)
     dec = engine._decoder
     assert dec.v_key_major is (attention == "triton") and (dec.v.stride(-2) == 1) is (attention == "triton")
+    # rows of the cache start at multiples of 64 keys whatever the length (aligned tile loads)
+    assert dec.L % 64 and dec.key_ok.shape[1] == dec.ks.shape[-1] == dec.v.shape[-2] == dec.L, dec.L
+    assert dec.key_ok.stride(0) % 64 == dec.ks.stride(-2) % 64 == dec.k.stride(-3) % (64 * dec.dim) == 0
+    assert dec.v.stride(-1 if attention == "triton" else -3) % 64 == 0, dec.v.stride()
 assert len(calls) == 9 * 2, len(calls)
 lp = []
 for a, b in zip(runs["sdpa"], runs["triton"]):

@@ -58,6 +58,7 @@ from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 log = logging.getLogger(__name__)
+CACHE_ALIGN = 64  # keys: the KV cache's rows (and a key-major V's feature rows) start at multiples of 64 keys
 
 
 def unwrap(model):
@@ -192,20 +193,25 @@ class StaticDecoder:
                 self.attn_plan = (128, 2, 4)
         nl, dev = len(self.layers), self.device
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
-        self.k = torch.zeros(nl, batch, self.groups, max_len, self.dim, dtype=kv_dtype, device=dev)
+        # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V row of an unaligned
+        # length is only 8-byte aligned and the decode attention's tile loads narrow (H100, 64 x 2,280 keys:
+        # docs/benchmarks.md, "FP8 KV cache")
+        La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+        self.k = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
         # an FP8 cache read by the key-major decode attention keeps V key-major ([d, L] memory, a [L, d] view): the
         # P.V product's operand tiles are then contiguous (kernels/decode_attn.py)
         self.v_key_major = self.kv_recipe is not None and self.triton_attn
         if self.v_key_major:
-            self.v = torch.zeros(nl, batch, self.groups, self.dim, max_len, dtype=kv_dtype, device=dev).transpose(3, 4)
+            self.v = torch.zeros(nl, batch, self.groups, self.dim, La, dtype=kv_dtype, device=dev)[..., :max_len]
+            self.v = self.v.transpose(3, 4)
         else:
-            self.v = torch.zeros_like(self.k)
+            self.v = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
         # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] fp32); None with a BF16 cache
         self.ks = self.vs = None
         if self.kv_recipe is not None:
-            self.ks = torch.zeros(nl, batch, self.groups, max_len, dtype=torch.float32, device=dev)
-            self.vs = torch.zeros_like(self.ks)
-        self.key_ok = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)
+            self.ks = torch.zeros(nl, batch, self.groups, La, dtype=torch.float32, device=dev)[..., :max_len]
+            self.vs = torch.zeros(nl, batch, self.groups, La, dtype=torch.float32, device=dev)[..., :max_len]
+        self.key_ok = torch.zeros(batch, La, dtype=torch.bool, device=dev)[:, :max_len]
         self.pads = torch.zeros(batch, dtype=torch.long, device=dev)  # each row's left pads (its RoPE offset)
         with torch.no_grad():
             self.freqs = self.gpt.rotary_pos_emb(max_len)  # [L, 1, 1, rot_dim]
