@@ -11,7 +11,12 @@ quarter of ``--steps``) and sustained (after ``--heat`` seconds of replays; the 
 - ``write fp8`` / ``attn fp8``: each alone;
 - ``write+attn fp8, V [L, d]``: the pair with V stored ``[L, d]`` (contiguous writes, strided attention tiles);
 - ``write+sdpa bf16``: the BF16 cache written by the same kernel and read by SDPA over the length bucket (jet);
-- ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes ''`` skips their 7 GB of weights).
+- ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes none`` skips their 7 GB of weights);
+- ``step fp8`` / ``step fp8, V [L, d]`` / ``step bf16``: per layer the cache write, the attention and the 4 GEMMs, in the
+  decoder's order (the parts together, as a decode step interleaves them).
+
+The cache's length is rounded up to ``--align`` keys (the decoder's 64; 8 times a cache whose rows are only 8-byte
+aligned).
 
 A part whose sustained step exceeds its rested one by more than the others carries the slowdown.
 Usage: python tools/sustained_probe.py [--layers 32] [--batch 64] [--pos 2048] [--steps 40] [--heat 2] [--json F]
@@ -40,7 +45,8 @@ KV = FP8Recipe(kv_cache="fp8")
 def parts(a, dev: torch.device) -> dict:
     """name -> a function running one decode step's part over every layer (and advancing ``pos``)."""
     H, G = map(int, a.heads.split(","))
-    B, d, nl, L = a.batch, a.dim, a.layers, a.pos + a.steps * 4 + a.heat_steps + 8
+    B, d, nl = a.batch, a.dim, a.layers
+    L = -(-(a.pos + a.steps * 4 + a.heat_steps + 8) // a.align) * a.align
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
     pos = torch.tensor([a.pos], device=dev)
@@ -59,29 +65,7 @@ def parts(a, dev: torch.device) -> dict:
     vb = torch.randn_like(kb)
     scale = d ** -0.5
 
-    def pair(v_cache, write=True, attn=True):
-        def run():
-            for li in range(nl):
-                if write:
-                    rope_and_cache(q[li], k[li], v[li], cos, sin, kc[li], v_cache[li], pos, ks[li], vs[li], KV)
-                if attn:
-                    decode_attention(q[li, 0], kc[li], v_cache[li], ok, pos, scale, 1, 128, 2, 4,
-                                     k_scale=ks[li], v_scale=vs[li])
-            pos.add_(1)
-        return run
-
-    def sdpa():
-        Lb = min(L, -(-(a.pos + 1) // 256) * 256)  # the SDPA bucket at the probe's start
-        mask = torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt)
-        for li in range(nl):
-            rope_and_cache(q[li], k[li], v[li], cos, sin, kb[li], vb[li], pos)
-            F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        pos.add_(1)
-
-    out = {"write+attn fp8": pair(vkm), "write fp8": pair(vkm, attn=False), "attn fp8": pair(vkm, write=False),
-           "write+attn fp8, V [L, d]": pair(vrow), "write+sdpa bf16": sdpa}
-    shapes = [tuple(map(int, x.split(":"))) for x in a.gemm_shapes.split(",") if x]
+    shapes = [tuple(map(int, x.split(":"))) for x in a.gemm_shapes.split(",") if x and a.gemm_shapes != "none"]
     if shapes:
         # the inputs pre-quantized, as the decoder's fused norm / SwiGLU / attention kernels hand them over
         xs = {kk: torch.randn(B, kk, device=dev, dtype=dt, generator=g) for kk in {kk for _, kk in shapes}}
@@ -89,11 +73,41 @@ def parts(a, dev: torch.device) -> dict:
         w = [[quantize_weight(torch.randn(n, kk, device=dev, dtype=dt, generator=g) / 64, FP8Recipe())
               for n, kk in shapes] for _ in range(nl)]
 
-        def gemms():
-            for layer in w:
-                for (n, kk), (qw, sw) in zip(shapes, layer):
-                    small_m_linear(xs[kk], qw, sw, FP8Recipe(), xq=xq[kk])
-        out["gemms"] = gemms
+    def gemms(li):
+        for (n, kk), (qw, sw) in zip(shapes, w[li]):
+            small_m_linear(xs[kk], qw, sw, FP8Recipe(), xq=xq[kk])
+
+    def fp8(li, v_cache, write=True, attn=True, gemm=False):
+        if write:
+            rope_and_cache(q[li], k[li], v[li], cos, sin, kc[li], v_cache[li], pos, ks[li], vs[li], KV)
+        if attn:
+            decode_attention(q[li, 0], kc[li], v_cache[li], ok, pos, scale, 1, 128, 2, 4, k_scale=ks[li], v_scale=vs[li])
+        if gemm:
+            gemms(li)
+
+    def sdpa(li, gemm=False):
+        Lb = min(L, -(-(a.pos + 1) // 256) * 256)  # the SDPA bucket at the probe's start
+        rope_and_cache(q[li], k[li], v[li], cos, sin, kb[li], vb[li], pos)
+        F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
+                                       attn_mask=masks[Lb], scale=scale, enable_gqa=True)
+        if gemm:
+            gemms(li)
+
+    masks = {Lb: torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt) for Lb in {min(L, -(-(a.pos + 1) // 256) * 256)}}
+
+    def layers(part, *args, **kw):
+        def run():
+            for li in range(nl):
+                part(li, *args, **kw)
+            pos.add_(1)
+        return run
+
+    out = {"write+attn fp8": layers(fp8, vkm), "write fp8": layers(fp8, vkm, attn=False),
+           "attn fp8": layers(fp8, vkm, write=False), "write+attn fp8, V [L, d]": layers(fp8, vrow),
+           "write+sdpa bf16": layers(sdpa)}
+    if shapes:
+        out.update({"gemms": layers(lambda li: gemms(li)), "step fp8": layers(fp8, vkm, gemm=True),
+                    "step fp8, V [L, d]": layers(fp8, vrow, gemm=True), "step bf16": layers(sdpa, gemm=True)})
     return out, pos
 
 
@@ -126,7 +140,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--heat", type=float, default=2.0, help="seconds of steps before the sustained timing")
     ap.add_argument("--heat-steps", type=int, default=64, help="steps per heating round (positions then restart)")
     ap.add_argument("--gemm-shapes", default="6144:4096,4096:4096,28672:4096,4096:14336",
-                    help="N:K of the FP8 GEMMs per layer (the 8B QKV, output projection, fc1, fc2); '' skips them")
+                    help="N:K of the FP8 GEMMs per layer (the 8B QKV, output projection, fc1, fc2); none skips them")
+    ap.add_argument("--align", type=int, default=64, help="the cache's length is a multiple of this many keys")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
