@@ -738,6 +738,7 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 2
         out = decode_attention(q, k, vk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=bn)
         assert (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, bn, (out - ref).abs().max())
 
+from megatron_jetrl.launch.planner import server_memory
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.local import LocalEngine
 from tests.workers import build_loaded
@@ -762,7 +763,7 @@ for a, b in zip(runs["sdpa"], runs["triton"]):
 assert max(lp) < 1e-4, max(lp)
 # jet with the FP8 KV cache: the Triton decoder keeps V key-major (the key-major kernel reads it) and draws the
 # SDPA decoder's tokens, whose attention reads the same cache's dequantized values
-_, model, state = build_loaded(sys.argv[1], ["precision.mode=jet", "precision.kv_cache=fp8"])
+cfg, model, state = build_loaded(sys.argv[1], ["precision.mode=jet", "precision.kv_cache=fp8"])
 runs, calls[:] = {}, []
 for attention in ("sdpa", "triton"):
     engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=4, attention=attention)
@@ -773,6 +774,10 @@ for attention in ("sdpa", "triton"):
     assert dec.L % 64 and dec.key_ok.shape[1] == dec.ks.shape[-1] == dec.v.shape[-2] == dec.L, dec.L
     assert dec.key_ok.stride(0) % 64 == dec.ks.stride(-2) % 64 == dec.k.stride(-3) % (64 * dec.dim) == 0
     assert dec.v.stride(-1 if attention == "triton" else -3) % 64 == 0, dec.v.stride()
+    # the launch planner's FP8 KV bytes per token are the decoder's: E4M3 K and V and their fp32 scales
+    per_token = sum(t.untyped_storage().nbytes() for t in (dec.k, dec.v, dec.ks, dec.vs)) / (dec.B * dec.key_ok.stride(0))
+    assert per_token == server_memory(cfg.model, 1, fp8=True, concurrency=1, context_len=1, mem_fraction=1.0,
+                                      gpu_mem=1.0, kv_fp8=True).kv_per_token, per_token
 assert len(calls) == 9 * 2, len(calls)
 lp = []
 for a, b in zip(runs["sdpa"], runs["triton"]):

@@ -134,7 +134,7 @@ def make_plan(cfg, cluster: Cluster, *, seq_len: int, concurrency: int, rollout_
             refused.append(why)
             continue
         smem = server_memory(m, t, fp8=fp8_rollout, concurrency=concurrency, context_len=context_len,
-                             mem_fraction=cfg.rollout.mem_fraction, gpu_mem=gpu_mem)
+                             mem_fraction=cfg.rollout.mem_fraction, gpu_mem=gpu_mem, kv_fp8=recipe.rollout_kv_fp8)
         if smem.fits:
             server_tp = t
             break
