@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -52,6 +54,25 @@ def test_bench_rollout_harness(tmp_path):
     assert all(0 < r["graph_host_ms_at_mean"] <= r["graph_step_ms_at_mean"] and r["eager_host_ms_at_mean"] > 0
                and math.isnan(r["graph_gpu_ms_at_mean"]) for r in rows)
     assert all(r["sm_MHz"] is None and r["power_capped_share"] is None for r in rows)  # no nvidia-smi on the CPU
+
+
+def test_kv_fit_recovers_base_and_rate():
+    """``bench rollout``'s fit over response lengths: steps built as base + KV / rate give back base and rate, per
+    (mode, batch); a mode at one length or out of memory gets no line."""
+    from megatron_jetrl.bench.rollout import kv_fit
+
+    rows = [{"mode": m, "batch": 64, "new_tokens": n, "kv_GB_read_per_step_mean": kv, "decode_step_ms": base + kv / rate}
+            for m, base, rate, per in (("bf16", 5.42, 4.57, 1.0), ("jet+fp8kv", 4.09, 4.50, 0.516))
+            for n, kv in ((4096, 18.3 * per), (8192, 35.4 * per))]
+    rows += [{"mode": "jet", "batch": 64, "new_tokens": 4096, "kv_GB_read_per_step_mean": 18.3, "decode_step_ms": 7.8},
+             {"mode": "jet", "batch": 64, "new_tokens": 8192, "oom": True}]
+    fits = {f["mode"]: f for f in kv_fit(rows)}
+    assert sorted(fits) == ["bf16", "jet+fp8kv"]
+    assert fits["bf16"]["base_ms"] == pytest.approx(5.42) and fits["bf16"]["kv_TBps"] == pytest.approx(4.57)
+    assert fits["jet+fp8kv"]["base_ms"] == pytest.approx(4.09) and fits["jet+fp8kv"]["kv_TBps"] == pytest.approx(4.50)
+    assert fits["bf16"]["points"] == 2
+    noisy = [{**r, "decode_step_ms": 10.0 - r["kv_GB_read_per_step_mean"] / 100} for r in rows if r["mode"] == "bf16"]
+    assert kv_fit(noisy)[0]["kv_TBps"] is None
 
 
 def test_kernel_table_on_cpu():

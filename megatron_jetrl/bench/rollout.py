@@ -123,6 +123,28 @@ def profile_steps(dec, steps: int, advance: int = 0) -> dict:
     return out
 
 
+def kv_fit(rows: list[dict]) -> list[dict]:
+    """Per (mode, batch) measured at two or more response lengths: the least-squares line ``decode_step_ms = base_ms
+    + kv_GB_read_per_step_mean / kv_TBps`` (GB / (TB/s) = ms). ``base_ms``: what a step costs besides reading the KV
+    cache (weights, launches, the kernels' fixed parts); ``kv_TBps``: the rate the step reads each further byte of
+    it (None where the longer rollouts' steps were not slower). Rows out of memory are left out."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if not r.get("oom"):
+            groups.setdefault((r["mode"], r["batch"]), []).append(r)
+    out = []
+    for (mode, batch), rs in groups.items():
+        xs, ys = [r["kv_GB_read_per_step_mean"] for r in rs], [r["decode_step_ms"] for r in rs]
+        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if n < 2 or sxx == 0:
+            continue
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx  # ms per GB
+        out.append({"mode": mode, "batch": batch, "points": n, "base_ms": my - slope * mx,
+                    "kv_TBps": 1.0 / slope if slope > 0 else None})  # None: longer steps no slower (noise)
+    return out
+
+
 def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0,
              label: str | None = None) -> dict:
     from megatron_jetrl.distributed import init_distributed
@@ -272,6 +294,12 @@ def main(argv=None) -> list[dict]:
                          "graph_rested_first_ms_at_mean", "graph_rested_last_ms_at_mean", "eager_gpu_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
+    fits = kv_fit(rows)
+    if fits:  # two or more response lengths: what a step costs besides its KV read, and the rate of that read
+        print("# decode step = base + KV read per step / rate, least squares over the response lengths")
+        print_table([{**f, "base_ms": f"{f['base_ms']:.2f}", "kv_TBps": f"{f['kv_TBps']:.2f}" if f["kv_TBps"] else "-"}
+                     for f in fits],
+                    ["mode", "batch", "points", "base_ms", "kv_TBps"])
     return rows
 
 
