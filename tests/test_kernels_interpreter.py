@@ -724,9 +724,10 @@ sys.path.insert(0, "tools")
 import sustained_probe
 rows = sustained_probe.main(["--device", "cpu", "--layers", "2", "--batch", "2", "--heads", "4,2", "--dim", "32",
                              "--pos", "40", "--steps", "4", "--heat", "0", "--heat-steps", "1",
-                             "--gemm-shapes", "256:128,128:256"])
+                             "--gemm-shapes", "256:128,128:128,512:128,128:256", "--vocab", "300"])
 assert [r["part"] for r in rows] == ["write+attn fp8", "write fp8", "attn fp8", "write+attn fp8, V [L, d]",
-                                     "write+sdpa bf16", "gemms", "step fp8", "step fp8, V [L, d]", "step bf16"], rows
+                                     "write+sdpa bf16", "gemms", "step fp8", "step fp8, V [L, d]", "step bf16",
+                                     "full step fp8", "full step fp8, V [L, d]", "full step bf16"], rows
 assert all(r["rested_first_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
 print("ok")
 '''

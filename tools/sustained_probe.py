@@ -13,7 +13,9 @@ quarter of ``--steps``) and sustained (after ``--heat`` seconds of replays; the 
 - ``write+sdpa bf16``: the BF16 cache written by the same kernel and read by SDPA over the length bucket (jet);
 - ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes none`` skips their 7 GB of weights);
 - ``step fp8`` / ``step fp8, V [L, d]`` / ``step bf16``: per layer the cache write, the attention and the 4 GEMMs, in the
-  decoder's order (the parts together, as a decode step interleaves them).
+  decoder's order (the parts together, as a decode step interleaves them);
+- ``full step ...``: also the fused add + RMSNorm + quantizer twice per layer, the SwiGLU quantizer and, per step, the
+  BF16 LM head (``--vocab``) and an argmax: the decoder's kernels in its order.
 
 The cache's length is rounded up to ``--align`` keys (the decoder's 64; 8 times a cache whose rows are only 8-byte
 aligned).
@@ -34,8 +36,10 @@ import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import quarter_medians, step_spans_ms
 from megatron_jetrl.kernels.decode_attn import decode_attention
+from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
 from megatron_jetrl.kernels.rope import rope_and_cache
 from megatron_jetrl.kernels.triton_gemm import small_m_linear
+from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
 
@@ -72,42 +76,65 @@ def parts(a, dev: torch.device) -> dict:
         xq = {kk: quantize_act(x, FP8Recipe()) for kk, x in xs.items()}
         w = [[quantize_weight(torch.randn(n, kk, device=dev, dtype=dt, generator=g) / 64, FP8Recipe())
               for n, kk in shapes] for _ in range(nl)]
-
-    def gemms(li):
-        for (n, kk), (qw, sw) in zip(shapes, w[li]):
-            small_m_linear(xs[kk], qw, sw, FP8Recipe(), xq=xq[kk])
-
-    def fp8(li, v_cache, write=True, attn=True, gemm=False):
-        if write:
-            rope_and_cache(q[li], k[li], v[li], cos, sin, kc[li], v_cache[li], pos, ks[li], vs[li], KV)
-        if attn:
-            decode_attention(q[li, 0], kc[li], v_cache[li], ok, pos, scale, 1, 128, 2, 4, k_scale=ks[li], v_scale=vs[li])
-        if gemm:
-            gemms(li)
-
-    def sdpa(li, gemm=False):
-        Lb = min(L, -(-(a.pos + 1) // 256) * 256)  # the SDPA bucket at the probe's start
-        rope_and_cache(q[li], k[li], v[li], cos, sin, kb[li], vb[li], pos)
-        F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
-                                       attn_mask=masks[Lb], scale=scale, enable_gqa=True)
-        if gemm:
-            gemms(li)
-
+        hid, ffn2 = shapes[0][1], shapes[2][0]  # the hidden size (QKV's K) and fc1's [gate | up] width
+        h = torch.randn(B, hid, device=dev, dtype=dt, generator=g)
+        delta = torch.randn_like(h) / 8
+        nw = torch.ones(hid, device=dev, dtype=dt)
+        y1 = torch.randn(B, ffn2, device=dev, dtype=dt, generator=g)  # fc1's output
+        head = torch.randn(a.vocab, hid, device=dev, dtype=dt, generator=g) / 64
     masks = {Lb: torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt) for Lb in {min(L, -(-(a.pos + 1) // 256) * 256)}}
 
-    def layers(part, *args, **kw):
+    def gemm(i):
+        def run(li):
+            kk, (qw, sw) = shapes[i][1], w[li][i]
+            small_m_linear(xs[kk], qw, sw, FP8Recipe(), xq=xq[kk])
+        return run
+
+    def write(v_cache, k_cache=kc, k_scale=ks, v_scale=vs, recipe=KV):
+        return lambda li: rope_and_cache(q[li], k[li], v[li], cos, sin, k_cache[li], v_cache[li], pos,
+                                         None if recipe is None else k_scale[li], None if recipe is None else v_scale[li],
+                                         recipe)
+
+    def attn(v_cache):
+        return lambda li: decode_attention(q[li, 0], kc[li], v_cache[li], ok, pos, scale, 1, 128, 2, 4,
+                                           k_scale=ks[li], v_scale=vs[li])
+
+    def sdpa(li):
+        Lb = next(iter(masks))  # the SDPA bucket at the probe's start
+        F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
+                                       attn_mask=masks[Lb], scale=scale, enable_gqa=True)
+
+    # the decoder's per-layer kernels (the GEMMs, norms and SwiGLU at the 8B shapes) and its per-step LM head
+    ops = {"write8": write(vkm), "attn8": attn(vkm), "write8row": write(vrow), "attn8row": attn(vrow),
+           "write16": write(vb, kb, recipe=None), "sdpa": sdpa}
+    if shapes:
+        ops.update({"qkv": gemm(0), "proj": gemm(1), "fc1": gemm(2), "fc2": gemm(3),
+                    "norm": lambda li: add_rmsnorm_quant(h, delta, nw, 1e-5, FP8Recipe()),
+                    "swiglu": lambda li: swiglu_quant_triton(y1, FP8Recipe()),
+                    "head": lambda li: torch.argmax(F.linear(h, head).float(), dim=-1)})
+    gemms = ("qkv", "proj", "fc1", "fc2")
+    full = ("norm", "qkv", "{w}", "{a}", "proj", "norm", "fc1", "swiglu", "fc2")
+    compose = {  # part -> (per-layer ops in order, per-step ops)
+        "write+attn fp8": (("write8", "attn8"), ()), "write fp8": (("write8",), ()), "attn fp8": (("attn8",), ()),
+        "write+attn fp8, V [L, d]": (("write8row", "attn8row"), ()), "write+sdpa bf16": (("write16", "sdpa"), ()),
+        "gemms": (gemms, ()), "step fp8": (("write8", "attn8", *gemms), ()),
+        "step fp8, V [L, d]": (("write8row", "attn8row", *gemms), ()), "step bf16": (("write16", "sdpa", *gemms), ()),
+        "full step fp8": (tuple(x.format(w="write8", a="attn8") for x in full), ("head",)),
+        "full step fp8, V [L, d]": (tuple(x.format(w="write8row", a="attn8row") for x in full), ("head",)),
+        "full step bf16": (tuple(x.format(w="write16", a="sdpa") for x in full), ("head",)),
+    }
+
+    def layers(per_layer, per_step):
         def run():
             for li in range(nl):
-                part(li, *args, **kw)
+                for op in per_layer:
+                    ops[op](li)
+            for op in per_step:
+                ops[op](0)
             pos.add_(1)
         return run
 
-    out = {"write+attn fp8": layers(fp8, vkm), "write fp8": layers(fp8, vkm, attn=False),
-           "attn fp8": layers(fp8, vkm, write=False), "write+attn fp8, V [L, d]": layers(fp8, vrow),
-           "write+sdpa bf16": layers(sdpa)}
-    if shapes:
-        out.update({"gemms": layers(lambda li: gemms(li)), "step fp8": layers(fp8, vkm, gemm=True),
-                    "step fp8, V [L, d]": layers(fp8, vrow, gemm=True), "step bf16": layers(sdpa, gemm=True)})
+    out = {name: layers(*c) for name, c in compose.items() if all(op in ops for op in c[0] + c[1])}
     return out, pos
 
 
@@ -141,6 +168,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--heat-steps", type=int, default=64, help="steps per heating round (positions then restart)")
     ap.add_argument("--gemm-shapes", default="6144:4096,4096:4096,28672:4096,4096:14336",
                     help="N:K of the FP8 GEMMs per layer (the 8B QKV, output projection, fc1, fc2); none skips them")
+    ap.add_argument("--vocab", type=int, default=128_256, help="the LM head's rows (the full steps)")
     ap.add_argument("--align", type=int, default=64, help="the cache's length is a multiple of this many keys")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json")
