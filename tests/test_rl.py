@@ -700,6 +700,23 @@ print("ok")
     run_interpreted(code)
 
 
+def test_decoder_refuses_a_kv_cache_the_gpu_cannot_hold():
+    """The static decoder's KV cache (``recipe.kv_cache_bytes``: an 8B model's BF16 cache of 256 x 4,224 positions is
+    the 142 GB no card here holds, the FP8 cache 132/256 of it) checked against the GPU's free memory before it is
+    allocated: one line naming the knobs, the FP8 cache among them only where it is not already on."""
+    from megatron_jetrl.precision.recipe import kv_cache_bytes
+    from megatron_jetrl.rollout.decode import cache_fit_problem
+
+    bf16 = kv_cache_bytes(256 * 4224, layers=32, kv_heads=8, head_dim=128, fp8=False)
+    fp8 = kv_cache_bytes(256 * 4224, layers=32, kv_heads=8, head_dim=128, fp8=True)
+    assert bf16 / 1e9 == pytest.approx(141.7, abs=0.05) and fp8 * 256 == bf16 * 132
+    msg = cache_fit_problem(bf16, 139e9, 256, 4224, fp8=False)
+    assert msg.startswith("config error: rollout decode: a KV cache of 256 rows x 4224 positions needs 141.7 GB, "
+                          "139.0 GB free") and "rollout.prompts_per_step" in msg and "precision.kv_cache=fp8" in msg
+    assert "\n" not in msg and "kv_cache" not in cache_fit_problem(fp8, 60e9, 256, 4224, fp8=True)
+    assert cache_fit_problem(fp8, 139e9, 256, 4224, fp8=True) is None and cache_fit_problem(bf16, bf16, 1, 1, False) is None
+
+
 def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     """The exact-length decode attention (``kernels/decode_attn.py``, CUDA in production) under Triton's
     CPU interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's): the output equals SDPA with
@@ -784,6 +801,18 @@ for a, b in zip(runs["sdpa"], runs["triton"]):
     assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
     lp += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
 assert max(lp) < 1e-4, max(lp)
+# a longer rollout needs a new decoder: the old one (its KV cache) is freed before the new one allocates
+import gc
+import weakref
+
+from megatron_jetrl.rollout import decode as decode_mod
+old, dec = weakref.ref(engine._decoder), None
+gc.collect()
+assert old() is not None
+init, freed = decode_mod.StaticDecoder.__init__, []
+decode_mod.StaticDecoder.__init__ = lambda self, *a, **k: freed.append(old() is None) or init(self, *a, **k)
+engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=1.0))
+assert freed == [True] and engine._decoder.L > 17, (freed, engine._decoder.L)
 print("ok")
 '''
     run_interpreted(code, str(tmp_path), cwd=REPO)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_jetrl.precision.recipe import kv_cache_bytes
+
 GB = 1e9
 OVERHEAD = 3 * GB
 FRAGMENTATION = 1.05
@@ -163,7 +165,7 @@ def server_memory(m, server_tp: int, *, fp8: bool, concurrency: int, context_len
     weights = (pc.linear_total * (1 + 4 / (128 * 128) if fp8 else 2)
                + 2 * (pc.embed + pc.lm_head + pc.final_norm + pc.layers * pc.layer_other)) / server_tp
     kv_heads = max(1, m.num_key_value_heads // server_tp)
-    kv_per_token = 2 * m.num_layers * kv_heads * ((m.head_dim + 4) if kv_fp8 else m.head_dim * 2)
+    kv_per_token = kv_cache_bytes(1, layers=m.num_layers, kv_heads=kv_heads, head_dim=m.head_dim, fp8=kv_fp8)
     return ServerMemory(weights, kv_per_token, concurrency * context_len * kv_per_token, mem_fraction * gpu_mem)
 
 

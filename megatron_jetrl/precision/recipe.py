@@ -21,6 +21,14 @@ HF_MODULES_NOT_CONVERTED = ("lm_head", "embed_tokens", "norm", "mlp.gate")
 KV_SCALE_FMT = "ue8m0"
 
 
+def kv_cache_bytes(positions: int, *, layers: int, kv_heads: int, head_dim: int, fp8: bool, elem_bytes: int = 2) -> int:
+    """Bytes of K and V for ``positions`` tokens (rows x positions) over ``layers`` layers of ``kv_heads`` heads: the
+    FP8 cache (``FP8Recipe.kv_cache``) holds per token and KV head ``head_dim`` E4M3 bytes and one fp32 scale, for K
+    and for V; a BF16 cache ``head_dim x elem_bytes`` per head."""
+    per_head = head_dim + 4 if fp8 else head_dim * elem_bytes
+    return 2 * positions * layers * kv_heads * per_head
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Recipe:
     """Block-scaled E4M3 FP8: 128x128 weight blocks, 1x128 activation/gradient groups."""

@@ -51,14 +51,26 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 
 from megatron_jetrl.config import RolloutConfig
 from megatron_jetrl.env import triton_interpreted
+from megatron_jetrl.errors import ConfigError
 from megatron_jetrl.kernels.rmsnorm import add_rmsnorm_quant
 from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 from megatron_jetrl.models.norm import JetRMSNorm
 from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
-from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.precision.recipe import FP8Recipe, kv_cache_bytes
 
 log = logging.getLogger(__name__)
 CACHE_ALIGN = 64  # keys: the KV cache's rows (and a key-major V's feature rows) start at multiples of 64 keys
+
+
+def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -> str | None:
+    """One line naming what to change when a decoder's KV cache (``need`` bytes for ``rows`` x ``length``
+    positions) exceeds the ``free`` bytes of its GPU, else None."""
+    if need <= free:
+        return None
+    return (f"config error: rollout decode: a KV cache of {rows} rows x {length} positions needs {need / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB free on the GPU; decode fewer rows at once (rollout.prompts_per_step x "
+            f"rollout.n_samples_per_prompt; a fleet's rollout.chunk_size) or shorten rollout.max_new_tokens"
+            + ("" if fp8 else ", or set precision.kv_cache=fp8 (half the bytes)"))
 
 
 def unwrap(model):
@@ -147,8 +159,6 @@ class StaticDecoder:
         self.exact = exact
         why = exact_refusal(model) if exact else None
         if why:
-            from megatron_jetrl.errors import ConfigError
-
             raise ConfigError(f"config error: {why}")
         if exact and not (self.device.type == "cuda" or triton_interpreted()):
             raise ValueError("StaticDecoder: exact mode runs on CUDA (or under Triton's interpreter)")
@@ -197,6 +207,13 @@ class StaticDecoder:
         # length is only 8-byte aligned and the decode attention's tile loads narrow (H100, 64 x 2,280 keys:
         # docs/benchmarks.md, "FP8 KV cache")
         La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+        if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
+            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            need = kv_cache_bytes(batch * La, layers=nl, kv_heads=self.groups, head_dim=self.dim,
+                                  fp8=self.kv_recipe is not None, elem_bytes=self.dtype.itemsize) + batch * La
+            why = cache_fit_problem(need, free, batch, max_len, self.kv_recipe is not None)
+            if why:
+                raise ConfigError(why)
         self.k = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
         # an FP8 cache read by the key-major decode attention keeps V key-major ([d, L] memory, a [L, d] view): the
         # P.V product's operand tiles are then contiguous (kernels/decode_attn.py)

@@ -12,6 +12,7 @@ static-shape decoder (CUDA graphs on GPU; ``decode="static"``) or on megatron-co
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -73,7 +74,9 @@ class LocalEngine:
 
         d, rows = self._decoder, -(-B // ROW_MULTIPLE) * ROW_MULTIPLE
         if d is None or not B <= d.B <= 2 * rows or d.L < max_len:
-            self._decoder = None  # free the old cache before allocating the new one
+            if d is not None:  # free the old cache (and its graphs' pool) before allocating the new one
+                self._decoder = d = None
+                gc.collect()
             recipe = getattr(self.fp8_state, "recipe", None)
             d = StaticDecoder(self.model, rows, max_len,
                               self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda",
