@@ -42,6 +42,7 @@ from megatron_jetrl.kernels.triton_gemm import small_m_linear
 from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
 from megatron_jetrl.precision.quant import quantize_act, quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
+from megatron_jetrl.rollout.decode import CACHE_ALIGN
 
 KV = FP8Recipe(kv_cache="fp8")
 
@@ -82,7 +83,8 @@ def parts(a, dev: torch.device) -> dict:
         nw = torch.ones(hid, device=dev, dtype=dt)
         y1 = torch.randn(B, ffn2, device=dev, dtype=dt, generator=g)  # fc1's output
         head = torch.randn(a.vocab, hid, device=dev, dtype=dt, generator=g) / 64
-    masks = {Lb: torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt) for Lb in {min(L, -(-(a.pos + 1) // 256) * 256)}}
+    Lb = min(L, -(-(a.pos + 1) // 256) * 256)  # the SDPA bucket at the probe's start
+    mask = torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt)
 
     def gemm(i):
         def run(li):
@@ -100,9 +102,8 @@ def parts(a, dev: torch.device) -> dict:
                                            k_scale=ks[li], v_scale=vs[li])
 
     def sdpa(li):
-        Lb = next(iter(masks))  # the SDPA bucket at the probe's start
         F.scaled_dot_product_attention(q[li].permute(1, 2, 0, 3), kb[li, :, :, :Lb], vb[li, :, :, :Lb],
-                                       attn_mask=masks[Lb], scale=scale, enable_gqa=True)
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
 
     # the decoder's per-layer kernels (the GEMMs, norms and SwiGLU at the 8B shapes) and its per-step LM head
     ops = {"write8": write(vkm), "attn8": attn(vkm), "write8row": write(vrow), "attn8row": attn(vrow),
@@ -169,7 +170,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--gemm-shapes", default="6144:4096,4096:4096,28672:4096,4096:14336",
                     help="N:K of the FP8 GEMMs per layer (the 8B QKV, output projection, fc1, fc2); none skips them")
     ap.add_argument("--vocab", type=int, default=128_256, help="the LM head's rows (the full steps)")
-    ap.add_argument("--align", type=int, default=64, help="the cache's length is a multiple of this many keys")
+    ap.add_argument("--align", type=int, default=CACHE_ALIGN, help="the cache's length is a multiple of this many keys")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
