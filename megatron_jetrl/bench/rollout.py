@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -56,8 +57,6 @@ def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
     the last quarter of the steps. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
     "rested_last_ms"}`` (the event times NaN off CUDA; the rested ones also where the host's launches outlast the
     sleep)."""
-    import statistics
-
     cuda = torch.cuda.is_available()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)] if cuda else []
     _sync()
@@ -134,13 +133,12 @@ def kv_fit(rows: list[dict]) -> list[dict]:
             groups.setdefault((r["mode"], r["batch"]), []).append(r)
     out = []
     for (mode, batch), rs in groups.items():
-        xs, ys = [r["kv_GB_read_per_step_mean"] for r in rs], [r["decode_step_ms"] for r in rs]
-        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if n < 2 or sxx == 0:
+        try:  # slope in ms per GB
+            slope, base = statistics.linear_regression([r["kv_GB_read_per_step_mean"] for r in rs],
+                                                       [r["decode_step_ms"] for r in rs])
+        except statistics.StatisticsError:  # one length only
             continue
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx  # ms per GB
-        out.append({"mode": mode, "batch": batch, "points": n, "base_ms": my - slope * mx,
+        out.append({"mode": mode, "batch": batch, "points": len(rs), "base_ms": base,
                     "kv_TBps": 1.0 / slope if slope > 0 else None})  # None: longer steps no slower (noise)
     return out
 
