@@ -77,6 +77,39 @@ def test_serve_refuses_open_host_without_key(fp8_dir):
     assert out.returncode != 0 and "--admin-api-key" in out.stderr.strip().splitlines()[-1]
 
 
+def test_serve_answers_a_request_its_kv_cache_cannot_hold_with_400():
+    """The decoder refuses a batch whose KV cache exceeds the GPU (a ConfigError naming the knobs): ``jetrl serve``
+    answers 400 with that line, so the fleet stops at once (every server would refuse it) instead of retrying the
+    chunk on the others as it does a 500."""
+    from http.server import ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from megatron_jetrl.errors import ConfigError
+    from megatron_jetrl.rollout.server import ServeEngine, make_handler
+
+    line = "config error: rollout decode: a KV cache of 2 rows x 40 positions needs 9.0 GB, 1.0 GB free on the GPU"
+
+    def refuse(prompts, params, seeds=None):
+        raise ConfigError(line)
+
+    state = object.__new__(ServeEngine)  # the request path alone: no model behind it
+    state.model_cfg = SimpleNamespace(vocab_size=64, max_position_embeddings=128)
+    state.engine = SimpleNamespace(generate=refuse)
+    state.lock, state.running = threading.RLock(), threading.Event()
+    state.running.set()
+    state.offload_tags, state.sleep_s, state.served, state.weight_version = set(), 0.0, 0, "0"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state, None, 1 << 20))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=30)
+        with pytest.raises(ServerError) as err:
+            client.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert str(err.value).endswith(f"/generate: HTTP 400: {line}"), err.value
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_serve_validates_requests_and_applies_updates_whole(fp8_dir, tmp_path):
     from megatron_jetrl.models.hf_io import HFCheckpoint
 

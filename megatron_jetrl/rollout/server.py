@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from megatron_jetrl import env
+from megatron_jetrl.errors import ConfigError
 from megatron_jetrl.rollout.sglang import MEMORY_TAGS, SGLANG_VERSION
 
 log = logging.getLogger("jetrl.serve")
@@ -268,7 +269,10 @@ class ServeEngine:
             if self.sleep_s:
                 time.sleep(self.sleep_s)
             t0 = time.perf_counter()
-            gens = self.engine.generate(prompts, params, None if seeds[0] is None else seeds)
+            try:
+                gens = self.engine.generate(prompts, params, None if seeds[0] is None else seeds)
+            except ConfigError as e:  # e.g. the decoder's KV cache for these rows x length does not fit this GPU:
+                raise RequestError(str(e)) from None  # every server would refuse it too (a 4xx: the fleet stops)
             version = self.weight_version
             self.served += 1
             log.info("generate #%d (rid %s): %d prompts, %d new tokens in %.2f s, weight_version %s", self.served,
