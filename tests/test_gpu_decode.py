@@ -456,7 +456,7 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     """A layer's KV cache of 256 rows x 8 groups x 8320 positions x 128 (a batch-256, 8K-token rollout of an 8B
     model) holds more than 2^31 elements: the RoPE + cache-write kernel and the decode attention compute 64-bit
     offsets, so the last row is written where torch indexes it and attended over correctly (32-bit offsets wrapped
-    into an illegal memory access). The FP8 cache keeps V key-major, as the decoder does."""
+    into an illegal memory access). V is stored [L, d], as the decoder keeps it."""
     from megatron_jetrl.kernels.decode_attn import decode_attention
     from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
@@ -467,7 +467,7 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     recipe = FP8Recipe(kv_cache="fp8")
     dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
     kc = torch.zeros(b, G, L, D, dtype=dt, device="cuda")
-    vc = torch.zeros(b, G, D, L, dtype=dt, device="cuda").transpose(-1, -2) if fp8 else torch.zeros_like(kc)
+    vc = torch.zeros_like(kc)
     ks = vs = None
     if fp8:
         ks, vs = torch.ones(b, G, L, device="cuda"), torch.ones(b, G, L, device="cuda")

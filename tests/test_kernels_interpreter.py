@@ -309,7 +309,7 @@ def test_fp8_kv_cache_kernels_under_the_interpreter():
       rotated in place, other columns are untouched;
     - the training forward's one-pass quantize-dequantize (``kv_qdq_triton``) equals those bytes times the scales,
       for a strided [s, b, g, d] view;
-    - the cache write into a key-major V cache (the decoder's FP8 cache: ``[b, G, d, L]`` memory) stores the same
+    - the cache write into a key-major V cache (exact mode's FP8 cache: ``[b, G, d, L]`` memory) stores the same
       bytes; into exact mode's cache indexed by position (``shift``: each row's tokens at their own positions, left
       pads not written) the same bytes at those columns, the decoder's torch write (the CPU's) the same values;
     - the decode attention over an FP8 cache (the key-major kernel; scales folded into the scores and the softmax
@@ -365,7 +365,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     assert torch.equal(kc[:, :, idx].view(torch.uint8), kq) and torch.equal(ks[:, :, idx], ksc)
     assert torch.equal(vc[:, :, idx].view(torch.uint8), vq) and torch.equal(vs[:, :, idx], vsc)
     assert not kc[:, :, ~cols].float().any() and bool((ks[:, :, ~cols] == 7.0).all())
-    vck = torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)  # V key-major, the decoder's FP8 cache
+    vck = torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)  # V key-major, exact mode's FP8 cache
     rope_and_cache(q.clone(), k, v, cos, sin, torch.zeros_like(kc), vck, idx, ks.clone(), vs.clone(), recipe)
     assert torch.equal(vck.view(torch.uint8), vc.view(torch.uint8))
     kc32 = torch.zeros(b, G, L, D)
@@ -433,11 +433,11 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 6
     bias = torch.zeros(b, 1, 1, L).masked_fill_(~valid[:, None, None, :], float("-inf"))
     kd, vd = dequantize_kv(kq, ks, torch.float32), dequantize_kv(vq, vs, torch.float32)
     ref = F.scaled_dot_product_attention(q[:, :, None], kd, vd, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
-    vqk = vq.transpose(-1, -2).contiguous().transpose(-1, -2)  # V key-major, as the decoder keeps it
+    vqk = vq.transpose(-1, -2).contiguous().transpose(-1, -2)  # V key-major: key-contiguous tiles
     out = decode_attention(q, kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16, k_scale=ks, v_scale=vs)
     assert (out - ref).abs().max() < 1e-5, (b, H, G, D, pos, splits, (out - ref).abs().max())
     assert torch.equal(decode_attention(q, kq, vq, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
-                                        k_scale=ks, v_scale=vs), out)  # V [L, d]: the same kernel, strided tiles
+                                        k_scale=ks, v_scale=vs), out)  # V [L, d] (the decoder's): the same bits
     same = decode_attention(q, kd, vd.transpose(-1, -2).contiguous().transpose(-1, -2), ok, torch.tensor([pos]),
                             D ** -0.5, splits=splits, block_n=16)
     assert torch.equal(out, same)  # power-of-two scales folded into scores and weights: the dequantized cache's bits
@@ -725,9 +725,9 @@ import sustained_probe
 rows = sustained_probe.main(["--device", "cpu", "--layers", "2", "--batch", "2", "--heads", "4,2", "--dim", "32",
                              "--pos", "40", "--steps", "4", "--heat", "0", "--heat-steps", "1",
                              "--gemm-shapes", "256:128,128:128,512:128,128:256", "--vocab", "300"])
-assert [r["part"] for r in rows] == ["write+attn fp8", "write fp8", "attn fp8", "write+attn fp8, V [L, d]",
-                                     "write+sdpa bf16", "gemms", "step fp8", "step fp8, V [L, d]", "step bf16",
-                                     "full step fp8", "full step fp8, V [L, d]", "full step bf16"], rows
+assert [r["part"] for r in rows] == ["write+attn fp8", "write fp8", "attn fp8", "write+attn fp8, V key-major",
+                                     "write+sdpa bf16", "gemms", "step fp8", "step fp8, V key-major", "step bf16",
+                                     "full step fp8", "full step fp8, V key-major", "full step bf16"], rows
 assert all(r["rested_first_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
 print("ok")
 '''

@@ -728,7 +728,8 @@ def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order), one graph key
     for every length, and the kernel actually called at every decode step. The key-major kernel (V key-major:
     whole tiles unmasked, the split's last keys in masked tail tiles) equals SDPA alike, and in jet with the FP8 KV
-    cache the Triton decoder keeps V key-major and draws the SDPA decoder's tokens (logprobs to 1e-4)."""
+    cache the Triton decoder (the key-major kernel over V stored [L, d], contiguous cache writes) draws the SDPA
+    decoder's tokens (logprobs to 1e-4)."""
     make_hf_model("llama", str(tmp_path), seed=7)
     code = r'''
 import sys
@@ -778,19 +779,20 @@ for a, b in zip(runs["sdpa"], runs["triton"]):
     assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
     lp += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
 assert max(lp) < 1e-4, max(lp)
-# jet with the FP8 KV cache: the Triton decoder keeps V key-major (the key-major kernel reads it) and draws the
-# SDPA decoder's tokens, whose attention reads the same cache's dequantized values
+# jet with the FP8 KV cache: the Triton decoder (the key-major kernel; V stored [L, d], as the SDPA decoder's: each
+# step's write one contiguous row per KV head) draws the SDPA decoder's tokens, whose attention reads the same cache's
+# dequantized values
 cfg, model, state = build_loaded(sys.argv[1], ["precision.mode=jet", "precision.kv_cache=fp8"])
 runs, calls[:] = {}, []
 for attention in ("sdpa", "triton"):
     engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=4, attention=attention)
     runs[attention] = engine.generate(prompts, params)
     dec = engine._decoder
-    assert dec.v_key_major is (attention == "triton") and (dec.v.stride(-2) == 1) is (attention == "triton")
+    assert not dec.v_key_major and dec.v.stride(-1) == 1 and dec.triton_attn is (attention == "triton")
     # rows of the cache start at multiples of 64 keys whatever the length (aligned tile loads)
     assert dec.L % 64 and dec.key_ok.shape[1] == dec.ks.shape[-1] == dec.v.shape[-2] == dec.L, dec.L
     assert dec.key_ok.stride(0) % 64 == dec.ks.stride(-2) % 64 == dec.k.stride(-3) % (64 * dec.dim) == 0
-    assert dec.v.stride(-1 if attention == "triton" else -3) % 64 == 0, dec.v.stride()
+    assert dec.v.stride(-3) % (64 * dec.dim) == 0, dec.v.stride()
     # the launch planner's FP8 KV bytes per token are the decoder's: E4M3 K and V and their fp32 scales
     per_token = sum(t.untyped_storage().nbytes() for t in (dec.k, dec.v, dec.ks, dec.vs)) / (dec.B * dec.key_ok.stride(0))
     assert per_token == server_memory(cfg.model, 1, fp8=True, concurrency=1, context_len=1, mem_fraction=1.0,

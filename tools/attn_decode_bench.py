@@ -4,7 +4,7 @@ CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an addi
 ``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
 reference, matmul + fp32 softmax and SDPA with K/V expanded; and the key-major Triton kernel over the FP8 KV
 cache as the decoder keeps it (``precision.kv_cache=fp8``: E4M3 K/V with a scale per token and KV head, V
-key-major). Prints us, the KV bytes/s each reaches
+stored [L, d]). Prints us, the KV bytes/s each reaches
 (the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
 difference from the fp32 reference.
 Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--bucket 256] [--json F]"""
@@ -60,7 +60,6 @@ def main() -> None:
         # the FP8 KV cache of precision.kv_cache=fp8 (E4M3, a power-of-two scale per token and KV head), and the
         # dequantized values the reference and the BF16 variants below read in the FP8 rows' comparison
         (kq, ks), (vq, vs) = quantize_kv(kc, KV_RECIPE), quantize_kv(vc, KV_RECIPE)
-        vq = vq.transpose(-1, -2).contiguous().transpose(-1, -2)  # V key-major ([d, L] memory), as the decoder keeps it
         for n in map(int, a.keys.split(",")):
             Lb = min(L, -(-n // a.bucket) * a.bucket)
             ok = torch.ones(B, L, dtype=torch.bool, device=dev)

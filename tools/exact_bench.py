@@ -125,8 +125,8 @@ def main() -> None:
         add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
             q, kc, vc, D ** -0.5, qpos, plan=p)), None, nbytes)
     # decode step over the FP8 KV cache at a long context, 64 rows x 4,096 keys: the default mode's key-major kernel
-    # (the decoder's plan) vs the exact kernel in the decoder's plan, other stage counts and 128-key blocks (V
-    # key-major in both, as the decoders' FP8 caches hold it)
+    # (the decoder's plan, V [L, d]) vs the exact kernel in the decoder's plan, other stage counts and 128-key blocks
+    # (V key-major, as exact mode's FP8 cache holds it)
     n, L = 4096, 4160
     (kq, ks), (vq, vs) = (quantize_kv(torch.randn(B, G, L, D, device=dev, generator=g).bfloat16(), rec)
                           for _ in range(2))
@@ -136,7 +136,7 @@ def main() -> None:
     qpos = torch.full((B,), n - 1, device=dev)
     nbytes = 2 * B * G * n * (D + 4)
     add("attn_decode_fp8kv", f"{B}x{n}", "triton key-major", time_graph_ms(lambda: decode_attention(
-        q[0], kq, vq_km, ok, pos, D ** -0.5, max(2, default_splits(B, G, L, dev)), 128, 2, 4, ks, vs)), None, nbytes)
+        q[0], kq, vq, ok, pos, D ** -0.5, default_splits(B, G, L, dev), 128, 2, 4, ks, vs)), None, nbytes)
     for p in plans[:1] + [(64, 4, 1, 16), (64, 4, 3, 16), (128, 4, 2, 16)]:
         add("attn_decode_fp8kv", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
             q, kq, vq_km, D ** -0.5, qpos, ks, vs, plan=p)), None, nbytes)

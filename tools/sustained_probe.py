@@ -1,19 +1,22 @@
 """Which part of the decode step over the FP8 KV cache slows under sustained load (CUDA; CUDA graphs).
 
-The rollout's graph-replayed step with the FP8 cache runs ~0.5 ms (9%) slower after some hundred milliseconds of
-continuous work than on a rested board, where jet's step over the BF16 cache does not (docs/benchmarks.md, "FP8 KV
-cache", "Rested and sustained"). This probe captures the step's parts as separate CUDA graphs over the 8B decode
-shapes (``--layers`` layers, ``--batch`` rows at ``--pos`` keys; every replay advances the position, as decoding
-does) and times each two ways: rested (queued behind a GPU sleep; the median step of the first and of the last
-quarter of ``--steps``) and sustained (after ``--heat`` seconds of replays; the median step). Parts:
+The rollout's graph-replayed step with the FP8 cache ran ~0.5 ms (9%) slower after some hundred milliseconds of
+continuous work than on a rested board while the decoder kept V key-major, where jet's step over the BF16 cache does
+not (docs/benchmarks.md, "FP8 KV cache", "Rested and sustained"). This probe captures the step's parts as separate
+CUDA graphs over the 8B decode shapes (``--layers`` layers, ``--batch`` rows at ``--pos`` keys; every replay advances
+the position, as decoding does) and times each two ways: rested (queued behind a GPU sleep; the median step of the
+first and of the last quarter of ``--steps``) and sustained (after ``--heat`` seconds of replays; the median step).
+Parts:
 
-- ``write+attn fp8``: per layer the RoPE + FP8 cache write and the key-major decode attention (the decoder's pair);
+- ``write+attn fp8``: per layer the RoPE + FP8 cache write and the key-major decode attention over V stored
+  ``[L, d]`` (the decoder's pair);
 - ``write fp8`` / ``attn fp8``: each alone;
-- ``write+attn fp8, V [L, d]``: the pair with V stored ``[L, d]`` (contiguous writes, strided attention tiles);
+- ``write+attn fp8, V key-major``: the pair with V stored ``[d, L]`` (a write of one byte per feature row,
+  key-contiguous attention tiles: what the decoder ran before);
 - ``write+sdpa bf16``: the BF16 cache written by the same kernel and read by SDPA over the length bucket (jet);
 - ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes none`` skips their 7 GB of weights);
-- ``step fp8`` / ``step fp8, V [L, d]`` / ``step bf16``: per layer the cache write, the attention and the 4 GEMMs, in the
-  decoder's order (the parts together, as a decode step interleaves them);
+- ``step fp8`` / ``step fp8, V key-major`` / ``step bf16``: per layer the cache write, the attention and the 4 GEMMs,
+  in the decoder's order (the parts together, as a decode step interleaves them);
 - ``full step ...``: also the fused add + RMSNorm + quantizer twice per layer, the SwiGLU quantizer and, per step, the
   BF16 LM head (``--vocab``) and an argmax: the decoder's kernels in its order.
 
@@ -106,7 +109,7 @@ def parts(a, dev: torch.device) -> dict:
                                        attn_mask=mask, scale=scale, enable_gqa=True)
 
     # the decoder's per-layer kernels (the GEMMs, norms and SwiGLU at the 8B shapes) and its per-step LM head
-    ops = {"write8": write(vkm), "attn8": attn(vkm), "write8row": write(vrow), "attn8row": attn(vrow),
+    ops = {"write8": write(vrow), "attn8": attn(vrow), "write8km": write(vkm), "attn8km": attn(vkm),
            "write16": write(vb, kb, recipe=None), "sdpa": sdpa}
     if shapes:
         ops.update({"qkv": gemm(0), "proj": gemm(1), "fc1": gemm(2), "fc2": gemm(3),
@@ -117,11 +120,11 @@ def parts(a, dev: torch.device) -> dict:
     full = ("norm", "qkv", "{w}", "{a}", "proj", "norm", "fc1", "swiglu", "fc2")
     compose = {  # part -> (per-layer ops in order, per-step ops)
         "write+attn fp8": (("write8", "attn8"), ()), "write fp8": (("write8",), ()), "attn fp8": (("attn8",), ()),
-        "write+attn fp8, V [L, d]": (("write8row", "attn8row"), ()), "write+sdpa bf16": (("write16", "sdpa"), ()),
+        "write+attn fp8, V key-major": (("write8km", "attn8km"), ()), "write+sdpa bf16": (("write16", "sdpa"), ()),
         "gemms": (gemms, ()), "step fp8": (("write8", "attn8", *gemms), ()),
-        "step fp8, V [L, d]": (("write8row", "attn8row", *gemms), ()), "step bf16": (("write16", "sdpa", *gemms), ()),
+        "step fp8, V key-major": (("write8km", "attn8km", *gemms), ()), "step bf16": (("write16", "sdpa", *gemms), ()),
         "full step fp8": (tuple(x.format(w="write8", a="attn8") for x in full), ("head",)),
-        "full step fp8, V [L, d]": (tuple(x.format(w="write8row", a="attn8row") for x in full), ("head",)),
+        "full step fp8, V key-major": (tuple(x.format(w="write8km", a="attn8km") for x in full), ("head",)),
         "full step bf16": (tuple(x.format(w="write16", a="sdpa") for x in full), ("head",)),
     }
 

@@ -22,20 +22,24 @@ Opt-in (``rollout.decode_attention=triton``; measurements in docs/benchmarks.md,
 8B rollout takes about the same time with either (batch 256: 14.84 / 12.41 s with SDPA vs 14.70 / 12.38 s with
 this kernel, bf16 / jet), while this kernel's rounding, independent of the attention the trainer runs, raises
 the RL step's train-rollout mismatch by about a quarter; so SDPA stays the default.
-With the FP8 KV cache (``precision.kv_cache=fp8``: E4M3 K/V, one power-of-two scale per token and KV head) the
-decoder runs the key-major kernel for every decode step (SDPA reads no FP8) and keeps V key-major for it (``[d, L]``
-memory). The head-major form above, fed FP8 tiles, had to gather V's bytes one key at a time for the P.V operand
-(V's reduction axis, the keys, is strided in a ``[L, d]`` cache) and padded the 4 query heads of an 8B group to the
-MMA's 16 rows; compiled for sm_90a (``python tools/kernel_sass.py decode-attn``) its loop issued 39.5
-warp-instructions per key at 255 registers (2 programs per SM). The key-major kernel computes S^T = K q^T and
-O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands, both contiguous along the reduction axis (wide
-loads, one E4M3 -> fp16 conversion per pair), the query heads are the narrow side (8), the loop's tiles are whole
-(unmasked loads) and a split's last keys run in masked 32-key tiles: 15.5 warp-instructions per key at 127
-registers (4 programs per SM), per KV byte what the BF16 kernel issues (0.059 vs 0.062). Numerics: K and V tiles
-converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and
-the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax
-weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and
-the result equals the same kernel over the dequantized cache bit for bit.
+With the FP8 KV cache (``precision.kv_cache=fp8``: E4M3 K/V, one power-of-two scale per token and KV head) the decoder
+runs the key-major kernel for every decode step (SDPA reads no FP8). The head-major form above, fed FP8 tiles, had to
+gather V's bytes one key at a time for the P.V operand (V's reduction axis, the keys, is strided in a ``[L, d]``
+cache) and padded the 4 query heads of an 8B group to the MMA's 16 rows; compiled for sm_90a (``python
+tools/kernel_sass.py decode-attn``) its loop issued 39.5 warp-instructions per key at 255 registers (2 programs per
+SM). The key-major kernel computes S^T = K q^T and O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands,
+the query heads are the narrow side (8), the loop's tiles are whole (unmasked loads) and a split's last keys run in
+masked 32-key tiles. Over a V stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
+fp16 conversion per pair) its loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV
+byte what the BF16 kernel issues (0.059 vs 0.062); over the decoder's V ``[L, d]`` 24.7 at 203 registers (2 programs
+per SM), and yet as fast: the kernel waits on memory (H100, 64 rows x 2,048 keys, 32 layers: write + attention 3.43 vs
+3.57 ms). The decoder keeps V ``[L, d]``, whose cache write is one contiguous row per step and KV head: a key-major
+V's write (one byte per feature row) slowed the whole rollout by 3.5% (docs/benchmarks.md, "FP8 KV cache"); exact
+mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to fp16 (exact) for
+fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's scale (times 2^8,
+kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of two, so the scales
+change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the same kernel over
+the dequantized cache bit for bit.
 With one key split the key-major kernel can also write the output projection's FP8 input (``quant``): the E4M3
 bytes and 1 x head_dim scales the activation quantizer would compute from the BF16 output, one launch fewer per
 layer.
@@ -128,7 +132,8 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
                              NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                              F16: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
-    (key-contiguous in the FP8 cache's [d, L] layout: wide loads, one conversion per pair of keys). The query heads
+    (key-contiguous in a [d, L] layout: wide loads, one conversion per pair of keys; d-contiguous in the decoder's
+    [L, d], which this memory-bound kernel reads as fast). The query heads
     of a group are the MMA's narrow dimension (BLOCK_H = 8 for 4 heads, where the head-major form pads them to 16),
     the loop's tiles hold only keys below ``pos`` (unmasked loads) and masked ``TAIL_N``-key tiles end the split."""
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
@@ -283,12 +288,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     by the kernel: no host sync, one CUDA graph for every length). An FP8 cache (float8_e4m3fn K/V with
     ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride, ``FP8Recipe.kv_cache``) is
     read as its bytes; the attention is over their dequantized values. An FP8 cache or a key-major V runs the
-    key-major kernel (fast with a key-major V: the decoder's FP8 cache), a BF16 cache with V [L, d] the head-major
-    one. ``quant`` (a recipe): returns ``(out, xq)``, ``xq`` the output's activation quantization for the FP8
-    output projection, ``(q [b, heads*d] E4M3, scale_inv [b, heads] fp32)``, the bytes and scales
-    ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major, or column-major as cuBLAS's
-    scaled_mm reads them with ``scale_col_major``), written by the same kernel; None where the kernel cannot
-    (several key splits, the head-major kernel, d other than the recipe's group)."""
+    key-major kernel, a BF16 cache with V [L, d] the head-major one. ``quant`` (a recipe): returns ``(out, xq)``,
+    ``xq`` the output's activation quantization for the FP8 output projection, ``(q [b, heads*d] E4M3, scale_inv [b,
+    heads] fp32)``, the bytes and scales ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major,
+    or column-major as cuBLAS's scaled_mm reads them with ``scale_col_major``), written by the same kernel; None where
+    the kernel cannot (several key splits, the head-major kernel, d other than the recipe's group)."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn

@@ -59,7 +59,7 @@ from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe, kv_cache_bytes
 
 log = logging.getLogger(__name__)
-CACHE_ALIGN = 64  # keys: the KV cache's rows (and a key-major V's feature rows) start at multiples of 64 keys
+CACHE_ALIGN = 64  # keys: the KV cache's rows (and exact mode's key-major V feature rows) start at multiples of 64 keys
 
 
 def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -> str | None:
@@ -203,9 +203,9 @@ class StaticDecoder:
                 self.attn_plan = (128, 2, 4)
         nl, dev = len(self.layers), self.device
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
-        # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V row of an unaligned
-        # length is only 8-byte aligned and the decode attention's tile loads narrow (H100, 64 x 2,280 keys:
-        # docs/benchmarks.md, "FP8 KV cache")
+        # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V row (exact mode), a row of
+        # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
+        # (H100, a key-major V of 64 x 2,280 keys: docs/benchmarks.md, "FP8 KV cache")
         La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
         if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
@@ -215,9 +215,12 @@ class StaticDecoder:
             if why:
                 raise ConfigError(why)
         self.k = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
-        # an FP8 cache read by the key-major decode attention keeps V key-major ([d, L] memory, a [L, d] view): the
-        # P.V product's operand tiles are then contiguous (kernels/decode_attn.py)
-        self.v_key_major = self.kv_recipe is not None and self.triton_attn
+        # V is stored [L, d] (a step writes each KV head's value as one contiguous row), except for exact mode's FP8
+        # cache: its attention (kernels/exact_attn.py, the trainer's too) reads V key-major ([d, L] memory, a [L, d]
+        # view). Kept key-major in the default mode as well (a step's write then one byte per feature row, 128 rows
+        # apart), the 4K x 64 rollout ran 3.5% slower on the H100, 8.21 vs 7.93 ms per step, its graph 0.44 ms over its
+        # kernels' time instead of 0.21 (docs/benchmarks.md, "FP8 KV cache")
+        self.v_key_major = self.kv_recipe is not None and self.exact
         if self.v_key_major:
             self.v = torch.zeros(nl, batch, self.groups, self.dim, La, dtype=kv_dtype, device=dev)[..., :max_len]
             self.v = self.v.transpose(3, 4)
