@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,6 +55,35 @@ def test_bench_rollout_harness(tmp_path):
     assert all(0 < r["graph_host_ms_at_mean"] <= r["graph_step_ms_at_mean"] and r["eager_host_ms_at_mean"] > 0
                and math.isnan(r["graph_gpu_ms_at_mean"]) for r in rows)
     assert all(r["sm_MHz"] is None and r["power_capped_share"] is None for r in rows)  # no nvidia-smi on the CPU
+
+
+def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeypatch, capsys):
+    """A mode whose KV cache the decoder refuses (its ConfigError: larger than the GPU's free memory, e.g. BF16 at
+    256 x 4K tokens of an 8B model) or whose allocation fails becomes a row saying so; the other modes still run
+    and are compared, and the fit leaves those rows out."""
+    import megatron_jetrl.bench.rollout as br
+    from megatron_jetrl.errors import ConfigError
+    from megatron_jetrl.rollout.decode import cache_fit_problem
+
+    line = cache_fit_problem(150 << 30, 80 << 30, 256, 4224, fp8=False)
+
+    def fake(cfg, batch, prompt_len, new_tokens, bandwidth, profile=0, label=None):
+        if label == "bf16":
+            raise ConfigError(line)
+        if label == "jet":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"mode": label, "batch": batch, "new_tokens": new_tokens, "tokens_per_s": 1.0, "decode_step_ms": 9.0,
+                "kv_GB_read_per_step_mean": 1.0}
+
+    monkeypatch.setattr(br, "run_mode", fake)
+    rows = br.main(["--preset", "tiny", "--batch", "256", "--new-tokens", "4096", "--modes", "jet+fp8kv,bf16,jet",
+                    "--json", str(tmp_path / "rows.json")])
+    assert [(r["mode"], r.get("oom", False)) for r in rows] == [("jet+fp8kv", False), ("bf16", True), ("jet", True)]
+    assert rows[1]["why"] == line and rows[2]["why"] == "out of memory"
+    out = capsys.readouterr().out
+    assert "| bf16 | - | 256 | 4096 | - | - | does not fit the GPU |" in out
+    assert "| jet | - | 256 | 4096 | - | - | out of memory |" in out
+    assert json.load(open(tmp_path / "rows.json"))[1]["why"] == line
 
 
 def test_kv_fit_recovers_base_and_rate():

@@ -22,6 +22,7 @@ import torch
 
 from megatron_jetrl.bench.timing import (MODES_HELP, GpuSampler, dump_json, mode_overrides, print_table,
                                          quarter_medians, step_spans_ms)
+from megatron_jetrl.errors import ConfigError
 
 WARMUP_TOKENS = 1024  # the untimed first rollout's length at most (graph capture and compiles happen there)
 
@@ -264,10 +265,14 @@ def main(argv=None) -> list[dict]:
                 cfg = load_config(preset_path(args.preset), [*args.overrides, *mode_overrides(mode)])
                 try:
                     rows.append(run_mode(cfg, batch, args.prompt_len, new_tokens, args.bandwidth, args.profile, mode))
-                except torch.OutOfMemoryError:  # e.g. a BF16 KV cache of 256 x 4K tokens of an 8B model
-                    rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True})
+                except (torch.OutOfMemoryError, ConfigError) as e:  # e.g. a BF16 KV cache of 256 x 4K tokens of an
+                    # 8B model: the decoder refuses a cache larger than the GPU's free memory (ConfigError), or an
+                    # allocation fails; the row says so and the other modes run
+                    why = str(e).splitlines()[0] if isinstance(e, ConfigError) else "out of memory"
+                    rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True, "why": why})
                     gc.collect()
-                    torch.cuda.empty_cache()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
                 print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
                 dump_json(args.json, rows)  # after every row: a run stopped by a time limit keeps what it measured
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -276,7 +281,9 @@ def main(argv=None) -> list[dict]:
     shown = []
     for r in rows:
         if r.get("oom"):
-            shown.append({"mode": r["mode"], "batch": r["batch"], "new_tokens": r["new_tokens"], "rollout_s": "out of memory"})
+            shown.append({"mode": r["mode"], "batch": r["batch"], "new_tokens": r["new_tokens"],
+                          "rollout_s": "does not fit the GPU" if r.get("why", "out of memory") != "out of memory"
+                          else "out of memory"})
             continue
         base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
                      and b["new_tokens"] == r["new_tokens"]), None)
