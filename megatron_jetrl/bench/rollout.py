@@ -282,8 +282,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if r.get("oom"):
             shown.append({"mode": r["mode"], "batch": r["batch"], "new_tokens": r["new_tokens"],
-                          "rollout_s": "does not fit the GPU" if r.get("why", "out of memory") != "out of memory"
-                          else "out of memory"})
+                          "rollout_s": "out of memory" if r["why"] == "out of memory" else "does not fit the GPU"})
             continue
         base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
                      and b["new_tokens"] == r["new_tokens"]), None)

@@ -214,7 +214,13 @@ class StaticDecoder:
             why = cache_fit_problem(need, free, batch, max_len, self.kv_recipe is not None)
             if why:
                 raise ConfigError(why)
-        self.k = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
+
+        def aligned(lead: tuple, trail: tuple, dtype: torch.dtype) -> torch.Tensor:
+            """Zeros ``[*lead, La, *trail]``, viewed as ``[*lead, max_len, *trail]``."""
+            t = torch.zeros(*lead, La, *trail, dtype=dtype, device=dev)
+            return t[(slice(None),) * len(lead) + (slice(0, max_len),)]
+
+        self.k = aligned((nl, batch, self.groups), (self.dim,), kv_dtype)
         # V is stored [L, d] (a step writes each KV head's value as one contiguous row), except for exact mode's FP8
         # cache: its attention (kernels/exact_attn.py, the trainer's too) reads V key-major ([d, L] memory, a [L, d]
         # view). Kept key-major in the default mode as well (a step's write then one byte per feature row, 128 rows
@@ -222,16 +228,15 @@ class StaticDecoder:
         # kernels' time instead of 0.21 (docs/benchmarks.md, "FP8 KV cache")
         self.v_key_major = self.kv_recipe is not None and self.exact
         if self.v_key_major:
-            self.v = torch.zeros(nl, batch, self.groups, self.dim, La, dtype=kv_dtype, device=dev)[..., :max_len]
-            self.v = self.v.transpose(3, 4)
+            self.v = aligned((nl, batch, self.groups, self.dim), (), kv_dtype).transpose(3, 4)
         else:
-            self.v = torch.zeros(nl, batch, self.groups, La, self.dim, dtype=kv_dtype, device=dev)[:, :, :, :max_len]
+            self.v = aligned((nl, batch, self.groups), (self.dim,), kv_dtype)
         # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] fp32); None with a BF16 cache
         self.ks = self.vs = None
         if self.kv_recipe is not None:
-            self.ks = torch.zeros(nl, batch, self.groups, La, dtype=torch.float32, device=dev)[..., :max_len]
-            self.vs = torch.zeros(nl, batch, self.groups, La, dtype=torch.float32, device=dev)[..., :max_len]
-        self.key_ok = torch.zeros(batch, La, dtype=torch.bool, device=dev)[:, :max_len]
+            self.ks = aligned((nl, batch, self.groups), (), torch.float32)
+            self.vs = aligned((nl, batch, self.groups), (), torch.float32)
+        self.key_ok = aligned((batch,), (), torch.bool)
         self.pads = torch.zeros(batch, dtype=torch.long, device=dev)  # each row's left pads (its RoPE offset)
         with torch.no_grad():
             self.freqs = self.gpt.rotary_pos_emb(max_len)  # [L, 1, 1, rot_dim]
