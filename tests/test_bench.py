@@ -86,6 +86,43 @@ def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeyp
     assert json.load(open(tmp_path / "rows.json"))[1]["why"] == line
 
 
+def test_bench_rollout_projects_a_refused_mode_from_its_fit(tmp_path, monkeypatch, capsys):
+    """bf16 measured at two lengths and refused at a third (its cache does not fit) gets the fitted step there,
+    from the KV bytes it would have read; a mode measured at that length is compared with the fitted bf16 step."""
+    import megatron_jetrl.bench.rollout as br
+    from megatron_jetrl.errors import ConfigError
+    from megatron_jetrl.precision.recipe import kv_cache_bytes
+
+    def fake(cfg, batch, prompt_len, new_tokens, bandwidth, profile=0, label=None):
+        kv = br.kv_read_gb(cfg, batch, prompt_len, new_tokens)
+        if label == "bf16" and new_tokens > 2048:
+            raise ConfigError("rollout: the KV cache does not fit")
+        base, rate = (5.4, 4.6) if label == "bf16" else (4.1, 4.5)
+        return {"mode": label, "batch": batch, "new_tokens": new_tokens, "tokens_per_s": 1.0,
+                "decode_step_ms": base + kv / rate, "kv_GB_read_per_step_mean": kv}
+
+    monkeypatch.setattr(br, "run_mode", fake)
+    rows = br.main(["--preset", "tiny", "--batch", "256", "--new-tokens", "1024,2048,4096", "--modes",
+                    "bf16,jet+fp8kv", "--prompt-len", "128", "--json", str(tmp_path / "rows.json")])
+    refused = rows[4]
+    assert (refused["mode"], refused["new_tokens"], refused["oom"]) == ("bf16", 4096, True)
+    # the tiny preset's cache (fp32 parameters, 4 bytes an element) at the rollout's mean length: 128 + 4096 / 2
+    from megatron_jetrl.config import load_config, preset_path
+
+    m = load_config(preset_path("tiny"), []).model
+    want = kv_cache_bytes(256 * (128 + 2048), layers=m.num_layers, kv_heads=m.num_key_value_heads,
+                          head_dim=m.head_dim, fp8=False, elem_bytes=4) / 1e9
+    assert refused["kv_GB_read_per_step_mean"] == pytest.approx(want)
+    assert refused["decode_step_ms_fitted"] == pytest.approx(5.4 + want / 4.6)
+    fp8 = rows[5]
+    assert fp8["step_vs_bf16_fitted"] == pytest.approx((5.4 + want / 4.6) / fp8["decode_step_ms"])
+    assert "step_vs_bf16_fitted" not in rows[1]  # measured bf16 at 1K: compared as measured
+    out = capsys.readouterr().out
+    assert f"| bf16 | - | 256 | 4096 | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
+    assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out
+    assert json.load(open(tmp_path / "rows.json"))[4]["decode_step_ms_fitted"] == pytest.approx(5.4 + want / 4.6)
+
+
 def test_kv_fit_recovers_base_and_rate():
     """``bench rollout``'s fit over response lengths: steps built as base + KV / rate give back base and rate, per
     (mode, batch); a mode at one length or out of memory gets no line."""

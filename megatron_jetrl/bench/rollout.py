@@ -144,6 +144,36 @@ def kv_fit(rows: list[dict]) -> list[dict]:
     return out
 
 
+def projected(rows: list[dict], fits: list[dict]) -> None:
+    """Where a mode's cache did not fit (a row with ``oom``) but the mode was measured at shorter lengths, its step
+    from the fit, ``decode_step_ms_fitted = base_ms + kv_GB_read_per_step_mean / kv_TBps``; a measured row whose bf16
+    row at the same (batch, length) has only that gets ``step_vs_bf16_fitted`` (bf16's fitted step / its own), e.g.
+    jet + FP8 KV at 256 x 4K against BF16, whose 142 GB cache no single GPU holds. In place."""
+    fit = {(f["mode"], f["batch"]): f for f in fits if f["kv_TBps"]}
+    for r in rows:
+        f = fit.get((r["mode"], r["batch"]))
+        if r.get("oom") and f and "kv_GB_read_per_step_mean" in r:
+            r["decode_step_ms_fitted"] = f["base_ms"] + r["kv_GB_read_per_step_mean"] / f["kv_TBps"]
+    for r in rows:
+        if r.get("oom") or r["mode"] == "bf16":
+            continue
+        base = [b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and b["new_tokens"] == r["new_tokens"]]
+        if base and base[0].get("oom") and "decode_step_ms_fitted" in base[0]:
+            r["step_vs_bf16_fitted"] = base[0]["decode_step_ms_fitted"] / r["decode_step_ms"]
+
+
+def kv_read_gb(cfg, batch: int, prompt_len: int, steps: int) -> float:
+    """GB of K and V a decode step reads on average over a rollout of ``steps`` new tokens (its mean length: prompt
+    + steps / 2), in the cache's format (``recipe.kv_cache_bytes``: E4M3 + a scale per token and KV head, or the
+    parameters' dtype)."""
+    from megatron_jetrl.precision.recipe import FP8Recipe, kv_cache_bytes
+
+    m = cfg.model
+    return kv_cache_bytes(batch * (prompt_len + steps / 2), layers=m.num_layers, kv_heads=m.num_key_value_heads,
+                          head_dim=m.head_dim, fp8=FP8Recipe.from_config(cfg.precision).rollout_kv_fp8,
+                          elem_bytes=2 if cfg.precision.params_dtype == "bf16" else 4) / 1e9
+
+
 def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0,
              label: str | None = None) -> dict:
     from megatron_jetrl.distributed import init_distributed
@@ -204,11 +234,6 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
         else:
             kernels = {}
     tuning = dict(getattr(dec, "gemm_tuning", {}))
-    layers, hd = cfg.model.num_layers, cfg.model.head_dim
-    # bytes per K or V element: the model's dtype, or an E4M3 byte plus a 4-byte scale per head_dim values
-    elem = (1 + 4 / hd) if state.recipe.rollout_kv_fp8 else (2 if cfg.precision.params_dtype == "bf16" else 4)
-    kv_per_tok = 2 * layers * cfg.model.num_key_value_heads * hd * elem
-    mean_len = prompt_len + steps / 2
     decode_ms = (st.get("generate_s", elapsed) - capture - prefill) / max(1, steps - 1) * 1e3
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
@@ -225,7 +250,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            # long contexts) and the CUDA graphs it captured
            "decode_bucket": getattr(dec, "bucket", None), "graphs": len(getattr(dec, "graphs", {})),
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
-           "kv_GB_read_per_step_mean": batch * mean_len * kv_per_tok / 1e9,
+           "kv_GB_read_per_step_mean": kv_read_gb(cfg, batch, prompt_len, steps),
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "small_m_max": state.small_m_max,
            # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
@@ -269,7 +294,8 @@ def main(argv=None) -> list[dict]:
                     # 8B model: the decoder refuses a cache larger than the GPU's free memory (ConfigError), or an
                     # allocation fails; the row says so and the other modes run
                     why = str(e).splitlines()[0] if isinstance(e, ConfigError) else "out of memory"
-                    rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True, "why": why})
+                    rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True, "why": why,
+                                 "kv_GB_read_per_step_mean": kv_read_gb(cfg, batch, args.prompt_len, new_tokens)})
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
@@ -278,15 +304,23 @@ def main(argv=None) -> list[dict]:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")
+    fits = kv_fit(rows)
+    projected(rows, fits)
+    dump_json(args.json, rows)
     shown = []
     for r in rows:
         if r.get("oom"):
+            fitted = r.get("decode_step_ms_fitted")
             shown.append({"mode": r["mode"], "batch": r["batch"], "new_tokens": r["new_tokens"],
-                          "rollout_s": "out of memory" if r["why"] == "out of memory" else "does not fit the GPU"})
+                          "rollout_s": "out of memory" if r["why"] == "out of memory" else "does not fit the GPU",
+                          "decode_step_ms": f"{fitted:.2f} fitted" if fitted else "-",
+                          "kv_GB_read_per_step_mean": r["kv_GB_read_per_step_mean"]})
             continue
         base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
                      and b["new_tokens"] == r["new_tokens"]), None)
-        shown.append({**r, "tokens/s vs bf16": f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"})
+        vs = (f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base
+              else f"{r['step_vs_bf16_fitted']:.3f} (step vs fitted)" if "step_vs_bf16_fitted" in r else "-")
+        shown.append({**r, "tokens/s vs bf16": vs})
     cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms",
             "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
@@ -298,7 +332,6 @@ def main(argv=None) -> list[dict]:
                          "graph_rested_first_ms_at_mean", "graph_rested_last_ms_at_mean", "eager_gpu_ms_at_mean")
              if all(c in r for r in rows if not r.get("oom"))]
     print_table(shown, cols)
-    fits = kv_fit(rows)
     if fits:  # two or more response lengths: what a step costs besides its KV read, and the rate of that read
         print("# decode step = base + KV read per step / rate, least squares over the response lengths")
         print_table([{**f, "base_ms": f"{f['base_ms']:.2f}", "kv_TBps": f"{f['kv_TBps']:.2f}" if f["kv_TBps"] else "-"}
