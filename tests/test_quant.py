@@ -162,3 +162,32 @@ def test_kv_cache_quantizer_follows_the_rule(dtype, scale_fmt):
         FP8Recipe(mode="bf16", kv_cache="fp8")
     assert FP8Recipe(kv_cache="fp8").train_kv_fp8 and not FP8Recipe(mode="fp8_rollout", kv_cache="fp8").train_kv_fp8
     assert FP8Recipe(mode="fp8_rollout", kv_cache="fp8").rollout_kv_fp8 and not FP8Recipe().rollout_kv_fp8
+
+
+def test_kv_rule_sensitivity_attention_emulation():
+    """``tools/kv_rule_sensitivity.py --attention``: its key tiles cover every key once in either order; its flash
+    emulation equals fp32 softmax attention to BF16 rounding; with no input difference the decoder on the trainer's
+    tiles and P rounding gives the trainer's bytes while the key-major kernel's does not; one ulp in 10% of the
+    elements moves the output more through an FP8 cache than through a BF16 one."""
+    import torch.nn.functional as F
+
+    from tools.kv_rule_sensitivity import key_tiles, main, online_attention
+
+    for n in (1, 127, 128, 300):
+        for tiles in (key_tiles(n, 128, True), key_tiles(n, 128, False, tail=32)):
+            assert sorted(i for a, b in tiles for i in range(a, b)) == list(range(n))
+    assert key_tiles(300, 128, True) == [(256, 300), (128, 256), (0, 128)]
+    assert key_tiles(300, 128, False, tail=32) == [(0, 128), (128, 256), (256, 288), (288, 300)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 128, generator=g) for n in (4, 300, 300))
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+    out = online_attention(q, k, v, key_tiles(300, 128, True), torch.float32)
+    assert torch.allclose(out, ref, rtol=2 ** -8, atol=1e-6)
+    rows = main(["--keys", "256", "--attention", "--attn-fracs", "0,0.1", "--attn-keys", "256", "--trials", "4"])
+    assert len(rows) == 8
+    for r in rows:
+        if r["frac"] == 0:
+            assert r["aligned"] == 0 and r["now"] > 0
+    for order in ("from the last", "from key 0"):
+        by = {r["cache"]: r for r in rows if r["frac"] == 0.1 and r["trainer"] == order}
+        assert by["fp8"]["now"] > 1.5 * by["bf16"]["now"] and by["fp8"]["aligned"] > 1.5 * by["bf16"]["aligned"]
