@@ -364,6 +364,14 @@ class RolloutConfig:
     of the trainer's attention, so the train-rollout mismatch is higher: docs/benchmarks.md, "Decode
     attention"). Prefill always runs SDPA. With ``precision.kv_cache=fp8`` decode steps run the Triton kernel
     whatever this says (SDPA reads no FP8)."""
+    fp8_kv_v_layout: Literal["auto", "rows", "key_major"] = "auto"
+    """With ``precision.kv_cache=fp8``, how the in-process decoder stores V: ``rows`` ([positions, d] per KV head: a
+    step writes each value as one contiguous 128-byte row), ``key_major`` ([d, positions]: the decode attention's
+    P.V tiles contiguous along the keys, fewer instructions per key, 4 programs per SM instead of 2; a step writes one
+    byte per feature row), or ``auto``: ``key_major`` on GPUs with at least 30 GB/s of memory bandwidth per SM
+    (H200: 37; its 8B rollout at batch 64 ran 2% faster at 4K and 5% at 8K new tokens with ``key_major``), ``rows``
+    below that and where the bandwidth is unknown (H100 SXM: 25; 3.5% faster at 4K with ``rows``). Exact mode always
+    stores V key-major (its attention, the trainer's too, reads that layout). docs/benchmarks.md, "FP8 KV cache"."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then

@@ -81,8 +81,8 @@ def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeyp
     assert [(r["mode"], r.get("oom", False)) for r in rows] == [("jet+fp8kv", False), ("bf16", True), ("jet", True)]
     assert rows[1]["why"] == line and rows[2]["why"] == "out of memory"
     out = capsys.readouterr().out
-    assert "| bf16 | - | 256 | 4096 | - | - | does not fit the GPU |" in out
-    assert "| jet | - | 256 | 4096 | - | - | out of memory |" in out
+    assert "| bf16 | - | 256 | 4096 | - | - | - | does not fit the GPU |" in out
+    assert "| jet | - | 256 | 4096 | - | - | - | out of memory |" in out
     assert json.load(open(tmp_path / "rows.json"))[1]["why"] == line
 
 
@@ -118,7 +118,7 @@ def test_bench_rollout_projects_a_refused_mode_from_its_fit(tmp_path, monkeypatc
     assert fp8["step_vs_bf16_fitted"] == pytest.approx((5.4 + want / 4.6) / fp8["decode_step_ms"])
     assert "step_vs_bf16_fitted" not in rows[1]  # measured bf16 at 1K: compared as measured
     out = capsys.readouterr().out
-    assert f"| bf16 | - | 256 | 4096 | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
+    assert f"| bf16 | - | 256 | 4096 | - | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
     assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out
     assert json.load(open(tmp_path / "rows.json"))[4]["decode_step_ms_fitted"] == pytest.approx(5.4 + want / 4.6)
 

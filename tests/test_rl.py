@@ -717,6 +717,33 @@ def test_decoder_refuses_a_kv_cache_the_gpu_cannot_hold():
     assert cache_fit_problem(fp8, 139e9, 256, 4224, fp8=True) is None and cache_fit_problem(bf16, bf16, 1, 1, False) is None
 
 
+def test_fp8_cache_v_layout_follows_the_gpus_bandwidth_per_sm(monkeypatch):
+    """``rollout.fp8_kv_v_layout=auto``: V key-major on a GPU with the H200's memory (3.2 GHz HBM3e x 6,144 bits over
+    132 SMs: 37 GB/s per SM), [L, d] ("rows") on the H100 SXM's (2.6 GHz x 5,120 bits: 25) and wherever the driver
+    reports no memory clock or there is no GPU; an explicit choice is taken as given, a misspelt one refused."""
+    from types import SimpleNamespace
+
+    from megatron_jetrl.config import RolloutConfig
+    from megatron_jetrl.rollout.decode import fp8_v_layout, hbm_gbps_per_sm
+
+    cuda = torch.device("cuda", 0)
+    boards = {"H200": (3_201_000, 6144), "H100": (2_619_000, 5120), "no clock": (0, 5120)}
+    for name, (clock, bits) in boards.items():
+        props = SimpleNamespace(memory_clock_rate=clock, memory_bus_width=bits, multi_processor_count=132)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
+        bw = hbm_gbps_per_sm(cuda)
+        want = {"H200": "key_major", "H100": "rows", "no clock": "rows"}[name]
+        assert fp8_v_layout("auto", cuda) == want, (name, bw)
+        assert fp8_v_layout("rows", cuda) == "rows" and fp8_v_layout("key_major", cuda) == "key_major"
+        if name == "H200":
+            assert bw == pytest.approx(37.2, abs=0.1)
+        if name == "H100":
+            assert bw == pytest.approx(25.4, abs=0.1)
+    assert fp8_v_layout("auto", torch.device("cpu")) == "rows" and RolloutConfig().fp8_kv_v_layout == "auto"
+    with pytest.raises(ValueError, match="fp8_kv_v_layout='keymajor'"):
+        fp8_v_layout("keymajor", cuda)
+
+
 def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     """The exact-length decode attention (``kernels/decode_attn.py``, CUDA in production) under Triton's
     CPU interpreter, fp32 (the interpreter's bf16 rounding is not the GPU's): the output equals SDPA with
@@ -798,6 +825,14 @@ for attention in ("sdpa", "triton"):
     assert per_token == server_memory(cfg.model, 1, fp8=True, concurrency=1, context_len=1, mem_fraction=1.0,
                                       gpu_mem=1.0, kv_fp8=True).kv_per_token, per_token
 assert len(calls) == 9 * 2, len(calls)
+# rollout.fp8_kv_v_layout=key_major: V stored key-major in the default mode too ([d, L] memory), the same tokens
+engine = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=4, attention="triton", v_layout="key_major")
+km = engine.generate(prompts, params)
+dec = engine._decoder
+assert dec.v_key_major and dec.v.stride(-2) == 1 and not dec.exact
+for a, b in zip(runs["sdpa"], km):
+    assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
+    assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
 lp = []
 for a, b in zip(runs["sdpa"], runs["triton"]):
     assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)

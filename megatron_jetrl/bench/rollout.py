@@ -190,7 +190,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     r = cfg.rollout
     engine = LocalEngine(model, state, pad_id=0, seed=cfg.seed, vocab_size=cfg.model.vocab_size, decode=r.decode,
                          cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=True,
-                         attention=r.decode_attention, max_graphs=r.decode_max_graphs)
+                         attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout)
     g = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(3, cfg.model.vocab_size, (batch, prompt_len), generator=g).tolist()
     params = SamplingParams(new_tokens, 1.0, 1.0, 0, ())
@@ -242,6 +242,9 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "decode": "static" if engine.static_decoding else "trainer forward" if state.recipe.exact else r.decode,
            "attention": ("exact" if getattr(dec, "exact", False)
                          else "triton" if getattr(dec, "triton_attn", False) else "sdpa"),
+           # the FP8 cache's V layout the decoder took (rollout.fp8_kv_v_layout)
+           "v_layout": ("-" if getattr(dec, "ks", None) is None
+                        else "key_major" if dec.v_key_major else "rows"),
            "cuda_graphs": bool(st.get("cuda_graphs", False)),
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
@@ -321,7 +324,8 @@ def main(argv=None) -> list[dict]:
         vs = (f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base
               else f"{r['step_vs_bf16_fitted']:.3f} (step vs fitted)" if "step_vs_bf16_fitted" in r else "-")
         shown.append({**r, "tokens/s vs bf16": vs})
-    cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "cuda_graphs", "rollout_s", "prefill_s", "decode_step_ms",
+    cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "v_layout", "cuda_graphs", "rollout_s", "prefill_s",
+            "decode_step_ms",
             "tokens_per_s",
             "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound", "kv_GB_read_per_step_mean",
             "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max", "deepgemm_shapes",

@@ -32,10 +32,12 @@ the query heads are the narrow side (8), the loop's tiles are whole (unmasked lo
 masked 32-key tiles. Over a V stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
 fp16 conversion per pair) its loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV
 byte what the BF16 kernel issues (0.059 vs 0.062); over the decoder's V ``[L, d]`` 24.7 at 203 registers (2 programs
-per SM), and yet as fast: the kernel waits on memory (H100, 64 rows x 2,048 keys, 32 layers: write + attention 3.43 vs
-3.57 ms). The decoder keeps V ``[L, d]``, whose cache write is one contiguous row per step and KV head: a key-major
-V's write (one byte per feature row) slowed the whole rollout by 3.5% (docs/benchmarks.md, "FP8 KV cache"); exact
-mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to fp16 (exact) for
+per SM), and on the H100 as fast: there the kernel waits on memory (64 rows x 2,048 keys, 32 layers: write +
+attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cache write is one contiguous row per step and KV head, made the
+whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the H200, with 1.45x the H100's
+bandwidth for the same SMs, the key-major V's fewer instructions win: its rollout ran 2% faster at 4K and 5% at 8K
+new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_layout``; docs/benchmarks.md, "FP8
+KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to fp16 (exact) for
 fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's scale (times 2^8,
 kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of two, so the scales
 change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the same kernel over
@@ -132,8 +134,8 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
                              NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                              F16: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
-    (key-contiguous in a [d, L] layout: wide loads, one conversion per pair of keys; d-contiguous in the decoder's
-    [L, d], which this memory-bound kernel reads as fast). The query heads
+    (key-contiguous in a [d, L] layout: wide loads, one conversion per pair of keys; d-contiguous in a [L, d] one,
+    which this kernel reads as fast where it waits on memory, the H100). The query heads
     of a group are the MMA's narrow dimension (BLOCK_H = 8 for 4 heads, where the head-major form pads them to 16),
     the loop's tiles hold only keys below ``pos`` (unmasked loads) and masked ``TAIL_N``-key tiles end the split."""
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,

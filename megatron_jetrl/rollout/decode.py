@@ -62,6 +62,32 @@ log = logging.getLogger(__name__)
 CACHE_ALIGN = 64  # keys: the KV cache's rows (and exact mode's key-major V feature rows) start at multiples of 64 keys
 
 
+# ``rollout.fp8_kv_v_layout=auto``: V key-major from this HBM bandwidth per SM up (GB/s; H200 37, H100 SXM 25)
+KEY_MAJOR_V_MIN_GBPS_PER_SM = 30.0
+
+
+def hbm_gbps_per_sm(device: torch.device) -> float | None:
+    """Peak memory bandwidth per SM of a CUDA ``device`` in GB/s (2 transfers per memory clock x bus width / SMs),
+    None off CUDA or where the driver reports no memory clock."""
+    if device.type != "cuda":
+        return None
+    p = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 / p.multi_processor_count
+
+
+def fp8_v_layout(choice: str, device: torch.device) -> str:
+    """``rows`` or ``key_major`` for ``rollout.fp8_kv_v_layout`` (``auto``: by the device's bandwidth per SM, above)."""
+    if choice not in ("auto", "rows", "key_major"):
+        raise ValueError(f"rollout.fp8_kv_v_layout={choice!r}: use auto, rows or key_major")
+    if choice != "auto":
+        return choice
+    bw = hbm_gbps_per_sm(device)
+    return "key_major" if bw is not None and bw >= KEY_MAJOR_V_MIN_GBPS_PER_SM else "rows"
+
+
 def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -> str | None:
     """One line naming what to change when a decoder's KV cache (``need`` bytes for ``rows`` x ``length``
     positions) exceeds the ``free`` bytes of its GPU, else None."""
@@ -128,7 +154,7 @@ class StaticDecoder:
                  use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
                  prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None,
                  max_graphs: int = RolloutConfig.decode_max_graphs, kv_recipe: FP8Recipe | None = None,
-                 exact: bool = False):
+                 exact: bool = False, v_layout: str = RolloutConfig.fp8_kv_v_layout):
         self.gpt = unwrap(model)
         self.layers = list(self.gpt.decoder.layers)
         attn = self.layers[0].self_attention
@@ -221,12 +247,14 @@ class StaticDecoder:
             return t[(slice(None),) * len(lead) + (slice(0, max_len),)]
 
         self.k = aligned((nl, batch, self.groups), (self.dim,), kv_dtype)
-        # V is stored [L, d] (a step writes each KV head's value as one contiguous row), except for exact mode's FP8
-        # cache: its attention (kernels/exact_attn.py, the trainer's too) reads V key-major ([d, L] memory, a [L, d]
-        # view). Kept key-major in the default mode as well (a step's write then one byte per feature row, 128 rows
-        # apart), the 4K x 64 rollout ran 3.5% slower on the H100, 8.21 vs 7.93 ms per step, its graph 0.44 ms over its
-        # kernels' time instead of 0.21 (docs/benchmarks.md, "FP8 KV cache")
-        self.v_key_major = self.kv_recipe is not None and self.exact
+        # V is stored [L, d] (a step writes each KV head's value as one contiguous row) or key-major ([d, L] memory, a
+        # [L, d] view: the attention's P.V tiles contiguous along the keys, a step's write one byte per feature row):
+        # rollout.fp8_kv_v_layout, by default by the GPU's bandwidth per SM (the 4K x 64 rollout: H100 7.93 ms per step
+        # with [L, d] vs 8.21 key-major; H200 6.42 vs 6.30, 8K 8.86 vs 8.39; docs/benchmarks.md, "FP8 KV cache").
+        # Exact mode's FP8 cache is key-major: its attention (kernels/exact_attn.py, the trainer's too) reads it so
+        self.v_key_major = self.kv_recipe is not None and (self.exact or fp8_v_layout(v_layout, dev) == "key_major")
+        if self.kv_recipe is not None and not self.exact:
+            log.info("rollout decode: the FP8 KV cache stores V %s", "key-major" if self.v_key_major else "[L, d]")
         if self.v_key_major:
             self.v = aligned((nl, batch, self.groups, self.dim), (), kv_dtype).transpose(3, 4)
         else:

@@ -32,7 +32,8 @@ class LocalEngine:
     def __init__(self, model, fp8_state, pad_id: int, seed: int = 0, vocab_size: int | None = None,
                  model_cfg=None, decode: str = "static", cuda_graphs: bool = True,
                  bucket: int = RolloutConfig.decode_bucket, keep_cache: bool = True, attention: str = "sdpa",
-                 max_graphs: int = RolloutConfig.decode_max_graphs):
+                 max_graphs: int = RolloutConfig.decode_max_graphs,
+                 v_layout: str = RolloutConfig.fp8_kv_v_layout):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -48,6 +49,7 @@ class LocalEngine:
         self.decode, self.cuda_graphs, self.bucket, self.keep_cache = decode, cuda_graphs, bucket, keep_cache
         self.max_graphs = max_graphs
         self.attention = attention  # the static decoder's decode-step attention: "sdpa" or "triton"
+        self.v_layout = v_layout  # the FP8 KV cache's V layout (rollout.fp8_kv_v_layout)
         self._decoder = None
         self.last_stats: dict = {}
 
@@ -82,7 +84,7 @@ class LocalEngine:
                               self.vocab_size, self.bucket, use_graphs=self.cuda_graphs and self.device.type == "cuda",
                               attention=self.attention, max_graphs=self.max_graphs,
                               kv_recipe=recipe if recipe is not None and recipe.rollout_kv_fp8 else None,
-                              exact=recipe is not None and recipe.exact)
+                              exact=recipe is not None and recipe.exact, v_layout=self.v_layout)
         self._decoder = d if self.keep_cache else None
         return d
 
@@ -92,7 +94,7 @@ class LocalEngine:
         r = cfg.rollout
         return cls(model, fp8_state, pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size, model_cfg=cfg.model,
                    decode=r.decode, cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=r.keep_decode_cache,
-                   attention=r.decode_attention, max_graphs=r.decode_max_graphs)
+                   attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
