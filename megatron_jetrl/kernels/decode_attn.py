@@ -37,10 +37,10 @@ attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cache write is one contiguou
 whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the H200, with 1.45x the H100's
 bandwidth for the same SMs, the key-major V's fewer instructions win: its rollout ran 2% faster at 4K and 5% at 8K
 new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_layout``; docs/benchmarks.md, "FP8
-KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to fp16 (exact) for
-fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's scale (times 2^8,
-kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of two, so the scales
-change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the same kernel over
+KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to
+fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's
+scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of
+two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the same kernel over
 the dequantized cache bit for bit.
 With one key split the key-major kernel can also write the output projection's FP8 input (``quant``): the E4M3
 bytes and 1 x head_dim scales the activation quantizer would compute from the BF16 output, one launch fewer per
