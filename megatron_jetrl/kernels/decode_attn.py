@@ -40,8 +40,8 @@ new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_
 KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to
 fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's
 scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of
-two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals the same kernel over
-the dequantized cache bit for bit.
+two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals
+the same kernel over the dequantized cache bit for bit.
 With one key split the key-major kernel can also write the output projection's FP8 input (``quant``): the E4M3
 bytes and 1 x head_dim scales the activation quantizer would compute from the BF16 output, one launch fewer per
 layer.
