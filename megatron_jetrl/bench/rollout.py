@@ -305,6 +305,11 @@ def main(argv=None) -> list[dict]:
                 print({k: v for k, v in rows[-1].items() if not k.startswith("top")}, flush=True)
                 dump_json(args.json, rows)  # after every row: a run stopped by a time limit keeps what it measured
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    if torch.cuda.is_available():  # what rollout.fp8_kv_v_layout=auto decides by
+        from megatron_jetrl.rollout.decode import hbm_gbps_per_sm
+
+        bw = hbm_gbps_per_sm(torch.device("cuda", torch.cuda.current_device()))
+        dev += f" ({bw:.1f} GB/s of memory bandwidth per SM)" if bw else " (memory clock not reported)"
     print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")
     fits = kv_fit(rows)
