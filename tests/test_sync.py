@@ -157,6 +157,25 @@ def test_bench_sync_and_mismatch_cli_numbers(tmp_path, megatron_single):
     assert mm["bf16"]["mismatch_abs_mean"] < 1e-5
 
 
+def test_mismatch_rolls_out_with_the_runs_rollout_settings(monkeypatch, megatron_single):
+    """``jetrl mismatch`` builds its engine from the run's ``rollout.*`` settings (the decode attention, the FP8
+    cache's V layout, the bucket), as training does, instead of the engine's defaults."""
+    from megatron_jetrl.bench import mismatch
+    from megatron_jetrl.rollout.local import LocalEngine
+
+    seen = {}
+
+    def stop(self, prompts, params, seeds=None):
+        seen.update(attention=self.attention, v_layout=self.v_layout, bucket=self.bucket)
+        raise KeyboardInterrupt  # what the engine was built with is all this test needs
+
+    monkeypatch.setattr(LocalEngine, "generate", stop)
+    with pytest.raises(KeyboardInterrupt):
+        mismatch.main(["--prompts", "2", "--prompt-len", "4", "--modes", "jet+fp8kv", "rollout.max_new_tokens=4",
+                       "rollout.decode_attention=triton", "rollout.fp8_kv_v_layout=key_major", "rollout.decode_bucket=32"])
+    assert seen == {"attention": "triton", "v_layout": "key_major", "bucket": 32}
+
+
 def test_sglang_flattened_bucket_transport(hf_dirs, megatron_single):
     """Buckets built with SGLang's own FlattenedTensorBucket; reconstructed the way a server does;
     every offset aligned for SGLang's receiving side (FlattenedTensorBucket.empty)."""

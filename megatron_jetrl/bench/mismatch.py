@@ -33,7 +33,7 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | No
     if cfg.model.hf_path:
         load_hf_weights(model, cfg.model, cfg.model.hf_path, state)
     dev = next(model.parameters()).device
-    engine = LocalEngine(model, state, pad_id=0, seed=seed, vocab_size=cfg.model.vocab_size)
+    engine = LocalEngine.from_config(model, state, cfg, pad_id=0, seed=seed)  # the run's rollout.* settings
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, cfg.model.vocab_size, (n_prompts, prompt_len), generator=g).tolist()
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature or 1.0, 1.0, 0, ())

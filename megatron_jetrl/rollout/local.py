@@ -89,10 +89,12 @@ class LocalEngine:
         return d
 
     @classmethod
-    def from_config(cls, model, fp8_state, cfg, pad_id: int) -> "LocalEngine":
-        """The engine ``rollout.engine=local`` builds over the trainer's model (``cfg``: the run's JetConfig)."""
+    def from_config(cls, model, fp8_state, cfg, pad_id: int, seed: int | None = None) -> "LocalEngine":
+        """The engine ``rollout.engine=local`` builds over the trainer's model (``cfg``: the run's JetConfig; ``seed``:
+        the sampling seed, ``cfg.seed`` when None)."""
         r = cfg.rollout
-        return cls(model, fp8_state, pad_id, seed=cfg.seed, vocab_size=cfg.model.vocab_size, model_cfg=cfg.model,
+        return cls(model, fp8_state, pad_id, seed=cfg.seed if seed is None else seed,
+                   vocab_size=cfg.model.vocab_size, model_cfg=cfg.model,
                    decode=r.decode, cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=r.keep_decode_cache,
                    attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout)
 
