@@ -172,7 +172,7 @@ def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
                                                   (3, 6, 6, 80, 300, 0, 2)])
 def test_fp8_decode_attention_equals_the_dequantized_cache(b, H, G, D, L, pos, splits, dtype):
     """The decode attention over an FP8 KV cache (E4M3 bytes, power-of-two scales per token and KV head folded into
-    the scores and the softmax weights; V key-major, as the decoder keeps it) gives the same kernel's
+    the scores and the softmax weights; V key-major, as the decoder keeps it on the H200) gives the same kernel's
     output over the dequantized cache in the model's dtype (what the trainer's attention reads): bit for bit in
     fp32, to BF16 rounding on BF16 tensor cores; and the fp32 attention over it within the dtype's rounding. With V
     in [L, d] memory the kernel reads strided tiles and gives the same bits."""
@@ -456,7 +456,7 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     """A layer's KV cache of 256 rows x 8 groups x 8320 positions x 128 (a batch-256, 8K-token rollout of an 8B
     model) holds more than 2^31 elements: the RoPE + cache-write kernel and the decode attention compute 64-bit
     offsets, so the last row is written where torch indexes it and attended over correctly (32-bit offsets wrapped
-    into an illegal memory access). V is stored [L, d], as the decoder keeps it."""
+    into an illegal memory access). V is stored [L, d], as the decoder keeps it on the H100."""
     from megatron_jetrl.kernels.decode_attn import decode_attention
     from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables
     from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv

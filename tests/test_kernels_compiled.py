@@ -46,8 +46,8 @@ def test_exact_gemm_pipelined_loop_holds_only_the_promotion(plan):
 
 
 def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
-    """The decode attention over the FP8 KV cache (the key-major kernel over the decoder's V, stored [L, d]; its plan
-    128-key tiles, 4 warps, 2 stages) against the BF16 cache's (head-major, 64-key tiles): per KV byte its loop
+    """The decode attention over the FP8 KV cache (the key-major kernel over V stored [L, d], the H100 decoder's; its
+    plan 128-key tiles, 4 warps, 2 stages) against the BF16 cache's (head-major, 64-key tiles): per KV byte its loop
     issues at most 1.6x the BF16 loop's warp-instructions (1.52x with Triton 3.6, 1.54x with 3.9; the head-major form
     over FP8 tiles issued 2.3-2.4x), converts each E4M3 pair once (about 2 x 128 x 128 / 2 conversions per
     thread-iteration of 128 keys) and spills next to nothing (none with Triton 3.6, 3 of 791 instructions per

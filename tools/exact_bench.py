@@ -125,8 +125,8 @@ def main() -> None:
         add("attn_decode", f"{B}x{n}", "exact " + ":".join(map(str, p)), time_graph_ms(lambda: exact_attention(
             q, kc, vc, D ** -0.5, qpos, plan=p)), None, nbytes)
     # decode step over the FP8 KV cache at a long context, 64 rows x 4,096 keys: the default mode's key-major kernel
-    # (the decoder's plan, V [L, d]) vs the exact kernel in the decoder's plan, other stage counts and 128-key blocks
-    # (V key-major, as exact mode's FP8 cache holds it)
+    # (the decoder's plan, V [L, d] as on the H100) vs the exact kernel in the decoder's plan, other stage counts and
+    # 128-key blocks (V key-major, as exact mode's FP8 cache holds it)
     n, L = 4096, 4160
     (kq, ks), (vq, vs) = (quantize_kv(torch.randn(B, G, L, D, device=dev, generator=g).bfloat16(), rec)
                           for _ in range(2))

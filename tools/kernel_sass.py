@@ -9,8 +9,8 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   the fp32 work per group is the promotion's cost.
 - ``decode-attn``: the decode attention (``kernels/decode_attn.py``: the head-major kernel over a BF16 cache, the
   key-major one over the decoder's FP8 cache) at the 8B model's shapes (4 query heads per KV group, head dim 128),
-  plans ``kv:BLOCK_N:warps:stages[:rows]`` (kv: bf16, fp8 with V [L, d] as the decoder keeps it, fp8km with V
-  stored [d, L]; rows: the query tile's, the decoder's by default); also
+  plans ``kv:BLOCK_N:warps:stages[:rows]`` (kv: bf16, fp8 with V [L, d], fp8km with V stored [d, L]:
+  the decoder's two layouts, ``rollout.fp8_kv_v_layout``; rows: the query tile's, the decoder's by default); also
   warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
@@ -75,8 +75,8 @@ def _attn_types(kv: str) -> dict:
 def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2, block_h: int | None = None,
                         v_key_major: bool = False):
     """The decode attention for sm_90a: 4 query heads per KV group, head dim 128; ``kv`` bf16 (the head-major
-    kernel over a [L, d] cache) or fp8 (the key-major kernel over the FP8 cache; V stored [L, d] as the decoder
-    keeps it, or with ``v_key_major`` [d, L]); ``block_h``: the query tile's rows instead of the decoder's (8
+    kernel over a [L, d] cache) or fp8 (the key-major kernel over the FP8 cache; V stored [L, d], or with
+    ``v_key_major`` [d, L]); ``block_h``: the query tile's rows instead of the decoder's (8
     key-major, 16 head-major)."""
     fp8 = kv == "fp8"
     types = {**_attn_types(kv), "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32",

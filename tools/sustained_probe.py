@@ -9,10 +9,10 @@ first and of the last quarter of ``--steps``) and sustained (after ``--heat`` se
 Parts:
 
 - ``write+attn fp8``: per layer the RoPE + FP8 cache write and the key-major decode attention over V stored
-  ``[L, d]`` (the decoder's pair);
+  ``[L, d]`` (the decoder's pair on the H100, ``rollout.fp8_kv_v_layout``);
 - ``write fp8`` / ``attn fp8``: each alone;
 - ``write+attn fp8, V key-major``: the pair with V stored ``[d, L]`` (a write of one byte per feature row,
-  key-contiguous attention tiles: what the decoder ran before);
+  key-contiguous attention tiles: the decoder's pair on the H200);
 - ``write+sdpa bf16``: the BF16 cache written by the same kernel and read by SDPA over the length bucket (jet);
 - ``gemms``: the 4 small-M FP8 GEMMs per layer at the 8B shapes (``--gemm-shapes none`` skips their 7 GB of weights);
 - ``step fp8`` / ``step fp8, V key-major`` / ``step bf16``: per layer the cache write, the attention and the 4 GEMMs,

@@ -31,7 +31,7 @@ SM). The key-major kernel computes S^T = K q^T and O^T += V^T P^T: K's and V^T's
 the query heads are the narrow side (8), the loop's tiles are whole (unmasked loads) and a split's last keys run in
 masked 32-key tiles. Over a V stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
 fp16 conversion per pair) its loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV
-byte what the BF16 kernel issues (0.059 vs 0.062); over the decoder's V ``[L, d]`` 24.7 at 203 registers (2 programs
+byte what the BF16 kernel issues (0.059 vs 0.062); over a V ``[L, d]`` 24.7 at 203 registers (2 programs
 per SM), and on the H100 as fast: there the kernel waits on memory (64 rows x 2,048 keys, 32 layers: write +
 attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cache write is one contiguous row per step and KV head, made the
 whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the H200, with 1.45x the H100's

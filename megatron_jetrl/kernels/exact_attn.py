@@ -201,7 +201,7 @@ class ExactAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, kv8=None):
         s, b = q.shape[:2]
         zero = torch.zeros(b, dtype=torch.int64, device=q.device)
-        if kv8 is not None:  # V's bytes key-major, as the decoder's FP8 cache holds them
+        if kv8 is not None:  # V's bytes key-major, as exact mode's FP8 cache holds them
             kb, ks, vb, vs = kv8[0], kv8[1], key_major(kv8[2]), kv8[3]
         else:
             kb, ks, vb, vs = k.permute(1, 2, 0, 3), None, v.permute(1, 2, 0, 3), None

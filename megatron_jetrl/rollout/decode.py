@@ -59,7 +59,7 @@ from megatron_jetrl.precision.quant import dequantize_kv, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe, kv_cache_bytes
 
 log = logging.getLogger(__name__)
-CACHE_ALIGN = 64  # keys: the KV cache's rows (and exact mode's key-major V feature rows) start at multiples of 64 keys
+CACHE_ALIGN = 64  # keys: the KV cache's rows (and a key-major V's feature rows) start at multiples of 64 keys
 
 
 # ``rollout.fp8_kv_v_layout=auto``: V key-major from this HBM bandwidth per SM up (GB/s; H200 37, H100 SXM 25)
@@ -229,7 +229,7 @@ class StaticDecoder:
                 self.attn_plan = (128, 2, 4)
         nl, dev = len(self.layers), self.device
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
-        # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V row (exact mode), a row of
+        # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V's feature row, a row of
         # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
         # (H100, a key-major V of 64 x 2,280 keys: docs/benchmarks.md, "FP8 KV cache")
         La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
