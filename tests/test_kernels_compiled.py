@@ -84,21 +84,3 @@ def test_exact_attention_plans_of_decoder_and_trainer_run_one_tensor_core_instru
     for name, mix in (("decoder", decoder), ("trainer", trainer)):
         assert mix["HMMA"] and not mix["HGMMA"], (name, mix)
     assert wide["HGMMA"] and not wide["HMMA"], wide
-
-
-@pytest.mark.parametrize("rows", [64, 16])
-def test_gated_small_m_gemm_loop_runs_two_accumulators_without_spills(rows):
-    """The decode GEMM's gated plan (the MLP's fc1 with the SwiGLU quantizer in its epilogue, ``GATED_WARPS``, the
-    default 4 stages): its loop issues twice the tensor-core instructions of the plain kernel with the same warps (the
-    gate's and the up rows' accumulators), spills no register (with 4 warps the two 64-row accumulators take 254
-    registers) and a program fits an SM."""
-    from megatron_jetrl.kernels.triton_gemm import GATED_WARPS
-
-    ks = _kernel_sass()
-    plain = ks.loop_mix(ks.compile_small_m(False, rows, GATED_WARPS, 4))[0]
-    k = ks.compile_small_m(True, rows, GATED_WARPS, 4)
-    gated = ks.loop_mix(k)[0]
-    mma = lambda mix: sum(n for op, n in mix.items() if op.endswith("MMA"))  # noqa: E731
-    assert mma(plain) and mma(gated) == 2 * mma(plain), (plain, gated)
-    assert not (gated["LDL"] or gated["STL"]), gated
-    assert ks.programs_per_sm(ks.registers(k), GATED_WARPS, k.metadata.shared) >= 1

@@ -84,46 +84,6 @@ print("ok")
     run_interpreted(code)
 
 
-def test_gated_small_m_gemm_equals_gemm_then_swiglu_quantizer_under_the_interpreter():
-    """The MLP's fc1 with the SwiGLU and fc2's activation quantization in the GEMM's epilogue (``gated``): the
-    bytes and scales of the ungated GEMM's y run through the fused SwiGLU quantizer, for BF16 and fp32 outputs,
-    x quantized per program, beforehand or handed over (``xq``), both tile layouts, plain and TMA loads; a weight
-    that is not [gate | up] in whole 128-row groups is refused."""
-    code = r'''
-import pytest
-import torch
-from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.precision.quant import quantize_weight
-from megatron_jetrl.kernels.triton_quant import quantize_act_triton, swiglu_quant_triton
-from megatron_jetrl.kernels.triton_gemm import small_m_linear
-g = torch.Generator().manual_seed(0)
-for fmt in ("fp32", "ue8m0"):
-    r = FP8Recipe(mode="jet", scale_fmt=fmt)
-    for M, F, K, dtype in ((4, 128, 384, torch.float32), (16, 256, 300, torch.bfloat16), (40, 256, 256, torch.float32),
-                           (70, 128, 512, torch.bfloat16)):
-        x = (torch.randn(M, K, generator=g) * 3).to(dtype)
-        qw, ws = quantize_weight(torch.randn(2 * F, K, generator=g), r)
-        ref_q, ref_s = swiglu_quant_triton(small_m_linear(x, qw, ws, r), r)
-        assert ref_q.shape == (M, F) and ref_s.shape == (M, F // 128)
-        xq = quantize_act_triton(x, r)
-        for kw in ({}, {"prequant": True}, {"prequant": False}, {"xq": xq}, {"swap": True}, {"swap": False},
-                   {"xq": xq, "tma": True}, {"xq": xq, "tma": False, "swap": M <= 16}):
-            q, s = small_m_linear(x, qw, ws, r, gated=True, **kw)
-            assert q.shape == (M, F) and s.shape == (M, F // 128) and q.dtype == r.dtype, (M, F, kw)
-            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), (fmt, M, F, K, kw)
-        q3, s3 = small_m_linear(x.view(2, M // 2, K), qw, ws, r, gated=True)  # leading dims kept
-        assert q3.shape == (2, M // 2, F) and torch.equal(q3.view(torch.uint8).view(M, F), ref_q.view(torch.uint8))
-        assert torch.equal(s3.view(M, -1), ref_s)
-r = FP8Recipe(mode="jet")
-for rows in (200, 384):  # 100-row halves; 384 = 3 groups, not two halves of whole groups
-    qw, ws = quantize_weight(torch.randn(rows, 256, generator=g), r)
-    with pytest.raises(ValueError, match="gate . up"):
-        small_m_linear(torch.randn(4, 256), qw, ws, r, gated=True)
-print("ok")
-'''
-    run_interpreted(code)
-
-
 def test_fused_swiglu_quant_kernel_under_the_interpreter():
     """The fused SwiGLU + 1x128 quantization Triton kernel (CUDA in production) under Triton's CPU
     interpreter on fp32 input: the bytes and scales of the unfused SwiGLU + Triton quantizer. (The

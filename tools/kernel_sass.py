@@ -12,9 +12,6 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   plans ``kv:BLOCK_N:warps:stages[:rows]`` (kv: bf16, fp8 with V [L, d], fp8km with V stored [d, L]:
   the decoder's two layouts, ``rollout.fp8_kv_v_layout``; rows: the query tile's, the decoder's by default); also
   warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
-- ``small-m``: the decode GEMM (``kernels/triton_gemm.py``, x pre-quantized, TMA tiles, 128-wide N tiles, K unsplit),
-  plans ``kind:BLOCK_M:warps:stages`` (kind: plain, or gated: the MLP's fc1 with the up rows' second accumulator
-  and the SwiGLU quantizer in its epilogue); operands swapped up to 16 rows as the launch plan swaps them.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
   trainer's eight); per key and per KV byte as above, for one program's rows.
@@ -23,7 +20,7 @@ The compiler is the Triton this Python imports; the H200 image runs Triton 3.6, 
 on any machine (``PYTHONPATH=<unpacked triton-3.6.0 wheel> python tools/kernel_sass.py ...``).
 
 Usage: python tools/kernel_sass.py gemm [--plans ...] | decode-attn [--plans bf16:64:4:2,fp8:128:4:3,...]
-       | exact-attn [--plans fp8:64:4:2:16,...] | small-m [--plans gated:64:8:3,...]"""
+       | exact-attn [--plans fp8:64:4:2:16,...]"""
 from __future__ import annotations
 
 import argparse
@@ -40,12 +37,10 @@ from triton.compiler import ASTSource
 from megatron_jetrl.kernels.decode_attn import TAIL_N, _decode_attn_keys_kernel, _decode_attn_kernel
 from megatron_jetrl.kernels.exact_attn import _exact_attn_kernel
 from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
-from megatron_jetrl.kernels.triton_gemm import SWAP_MAX_M, _small_m_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
 ATTN_PLANS = "bf16:64:4:2,fp8:128:4:2,fp8km:128:4:2,fp8:128:4:3,fp8:64:4:2,fp8:256:4:2"
 EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,bf16:64:4:2:32,fp8:64:4:2:32"
-SMALL_M_PLANS = "plain:64:4:4,gated:64:4:3,gated:64:8:3,gated:64:8:4,plain:16:4:4,gated:16:8:3"
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -91,18 +86,6 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     if fp8:  # V's unit stride (Triton specializes a 1 as a constant): its features ([L, d]) or its keys ([d, L])
         consts.update(TAIL_N=TAIL_N, KV_FP8=True, F16=True, **{"sv_l" if v_key_major else "sv_d": 1})
     return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
-
-
-def compile_small_m(gated: bool, block_m: int, warps: int, stages: int):
-    """The decode GEMM for sm_90a as the decoder launches it (x's FP8 bytes given, TMA tiles, split 1, BF16 output);
-    ``gated``: fc1 with the SwiGLU quantizer in its epilogue (E4M3 output)."""
-    types = {"x_ptr": "*bf16", "w_ptr": "tensordesc<fp8e4nv[128,128]>", "ws_ptr": "*fp32",
-             "y_ptr": "*fp8e4nv" if gated else "*bf16", "q_ptr": f"tensordesc<fp8e4nv[{block_m},128]>",
-             "s_ptr": "*fp32", "out_ptr": "*fp32", "lock_ptr": "*i32", "inv_max": "fp32", "fmax": "fp32", "eps": "fp32"}
-    consts = {"G": 128, "BLOCK_M": block_m, "BLOCK_N": 128, "UE8M0": False, "STORE_Q": False, "NUM_STAGES": stages,
-              "PREQ": True, "SPLIT": 1, "FUSED_SUM": False, "SWAP": block_m <= SWAP_MAX_M, "TMA": True, "GATED": gated,
-              "ROUND_BF16": True, "LIBDEVICE_EXP": True}
-    return _compile_by_name(_small_m_kernel, types, consts, num_warps=warps, num_stages=stages)
 
 
 def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int):
@@ -203,18 +186,14 @@ def decode_attn_plan(plan: str, exact: bool = False) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["gemm", "decode-attn", "exact-attn", "small-m"])
+    ap.add_argument("kernel", choices=["gemm", "decode-attn", "exact-attn"])
     ap.add_argument("--plans")
     a = ap.parse_args()
-    default = {"gemm": PLANS, "decode-attn": ATTN_PLANS, "exact-attn": EXACT_ATTN_PLANS, "small-m": SMALL_M_PLANS}[a.kernel]
+    default = {"gemm": PLANS, "decode-attn": ATTN_PLANS, "exact-attn": EXACT_ATTN_PLANS}[a.kernel]
     for plan in (a.plans or default).split(","):
-        if a.kernel in ("gemm", "small-m"):
-            if a.kernel == "gemm":
-                kind, ss, block_m, block_n, warps, stages = plan.split(":")
-                k = compile_gemm(kind == "fp8", ss == "1", int(block_m), int(block_n), int(warps), int(stages))
-            else:
-                kind, block_m, warps, stages = plan.split(":")
-                k = compile_small_m(kind == "gated", int(block_m), int(warps), int(stages))
+        if a.kernel == "gemm":
+            kind, ss, block_m, block_n, warps, stages = plan.split(":")
+            k = compile_gemm(kind == "fp8", ss == "1", int(block_m), int(block_n), int(warps), int(stages))
             (mix, waits), regs, shared = loop_mix(k), registers(k), k.metadata.shared
             head = f"{regs} registers, shared {shared} B, {programs_per_sm(regs, int(warps), shared)} programs/SM"
             extra = ""

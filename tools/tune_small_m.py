@@ -56,13 +56,8 @@ def main(argv=None) -> list[dict]:
                     "comma-separated; the last two time the standalone linear call (summed output)")
     ap.add_argument("--top", type=int, default=5, help="plans printed per shape and M, fastest first")
     ap.add_argument("--fused-sum", default="0", help="1: split-K summed by each tile's last program (standalone)")
-    ap.add_argument("--gated", action="store_true", help="the MLP's fc1 (N = 2 x F rows [gate | up]): its GEMM then "
-                    "the fused SwiGLU quantizer against the gated GEMM (SwiGLU and quantizer in its epilogue), "
-                    "swept over --swap/--tma/--stages/--warps (default shape 28672:4096)")
     args = ap.parse_args(argv)
     recipe = FP8Recipe()
-    if args.gated:
-        return gated(args, recipe)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     ints = lambda a: [int(v) for v in a.split(",")]  # noqa: E731
@@ -123,51 +118,6 @@ def main(argv=None) -> list[dict]:
         dump_json(args.json, rows)  # after every point: a sweep stopped by a time limit keeps what it measured
     print(f"(HBM copy ceiling {HBM_TBPS} TB/s)")
     print_table(rows, [c for c in rows[0] if c != "families"])
-    return rows
-
-
-def gated(args, recipe: FP8Recipe) -> list[dict]:
-    """``--gated``: per fc1 shape and M, the decoder's two launches before fc2 (the small-M GEMM writing y, the fused
-    SwiGLU quantizer reading it) against one gated GEMM per plan, weights cycled past L2; same bytes checked."""
-    from megatron_jetrl.kernels.triton_quant import swiglu_quant_triton
-
-    ints = lambda a: [int(v) for v in a.split(",")]  # noqa: E731
-    rows = []
-    for (N, K), M in itertools.product([tuple(map(int, s.split(":"))) for s in (args.shapes or "28672:4096").split(",")],
-                                       ints(args.m)):
-        copies = weight_copies(N, K, args.rotate_mb)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        qs = [quantize_weight(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02, recipe) for _ in range(copies)]
-        xq = quantize_act_triton(x, recipe)
-
-        def two(i):
-            return swiglu_quant_triton(small_m_linear(x, qs[i][0], qs[i][1], recipe, xq=xq), recipe)
-
-        ref = two(0)
-        base = _rotated(two, copies)
-        gemm = _rotated(lambda i: small_m_linear(x, qs[i][0], qs[i][1], recipe, xq=xq), copies)
-        results = []
-        for sw, tm, st, nw in itertools.product(*(ints(a) for a in (args.swap, args.tma, args.stages, args.warps))):
-            kw = dict(xq=xq, gated=True, swap=bool(sw), tma=bool(tm), num_stages=st, num_warps=nw)
-            try:
-                t = _rotated(lambda i: small_m_linear(x, qs[i][0], qs[i][1], recipe, **kw), copies)
-                q, s = small_m_linear(x, qs[0][0], qs[0][1], recipe, **kw)
-            except Exception as e:  # a plan this GPU/compiler rejects (shared memory, registers)
-                print(f"M={M} N={N} K={K} gated swap{sw} tma{tm} st{st} w{nw}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            same = bool(torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(s, ref[1]))
-            results.append((t, same, f"swap{sw} tma{tm} st{st} w{nw}"))
-        results.sort()
-        for t, same, name in results[:args.top]:
-            print(f"  M={M} N={N} K={K}: gated {t * 1e3:8.2f} us  {N * K / t / 1e9:5.2f} TB/s  {name}  same bytes: {same}")
-        t, same, name = results[0]
-        row = {"M": M, "N": N, "K": K, "gemm_us": gemm * 1e3, "gemm_then_quantizer_us": base * 1e3,
-               "gated_best_us": t * 1e3, "gated_best_plan": name, "gated_vs_two_kernels": base / t,
-               "same_bytes_all": all(r[1] for r in results)}
-        rows.append(row)
-        print(row, flush=True)
-        dump_json(args.json, rows)
-    print_table(rows, list(rows[0]))
     return rows
 
 

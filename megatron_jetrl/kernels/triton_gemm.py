@@ -28,22 +28,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_jetrl.env import triton_interpreted
 from megatron_jetrl.precision.recipe import FP8Recipe
-from megatron_jetrl.kernels.triton_quant import quantize_store_groups, scale_and_multiplier, silu_mul
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
 
 
 @triton.jit
 def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_per_split,
                     stride_xm, stride_wn, stride_wsn, stride_ys, stride_ym, stride_qm, stride_sm,
-                    inv_max, fmax, eps, out_ptr, lock_ptr, stride_gs, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                    inv_max, fmax, eps, out_ptr, lock_ptr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr, NUM_STAGES: tl.constexpr,
                     PREQ: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, SWAP: tl.constexpr,
-                    TMA: tl.constexpr, GATED: tl.constexpr = False, ROUND_BF16: tl.constexpr = True,
-                    LIBDEVICE_EXP: tl.constexpr = True):
-    # GATED (the MLP's fc1, weight rows [gate | up], N = the gate's rows): each program also runs the up rows N + cols
-    # (a second accumulator), and its epilogue writes the 1 x G quantization of silu(gate) * up, not y: the bytes of
-    # ``swiglu_quant_triton`` on y (y_ptr: the E4M3 bytes [M, N], out_ptr: their scales, row stride stride_gs)
+                    TMA: tl.constexpr):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (its bytes hit L2)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -54,7 +49,6 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros_like(acc)  # GATED only
     kb0 = pid_k * groups_per_split
     kb1 = tl.minimum(kb0 + groups_per_split, tl.cdiv(K, G))
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
@@ -87,48 +81,24 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, q_ptr, s_ptr, M, N, K, groups_p
         else:
             part = tl.dot(xq, tl.trans(w), out_dtype=tl.float32)
             acc += part * x_scale[:, None] * w_scale[None, :]
-        if GATED:  # the up rows: the same products and scaling as the gate's
-            if TMA:
-                wu = w_ptr.load([N + pid_n * BLOCK_N, kb * G])
-            else:
-                wu = tl.load(w_ptr + (N + cols)[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
-            wu_scale = tl.load(ws_ptr + ((N + cols) // G) * stride_wsn + kb, mask=cols < N, other=0.0)
-            if SWAP:
-                part = tl.dot(wu, tl.trans(xq), out_dtype=tl.float32)
-                acc_up += part * x_scale[None, :] * wu_scale[:, None]
-            else:
-                part = tl.dot(xq, tl.trans(wu), out_dtype=tl.float32)
-                acc_up += part * x_scale[:, None] * wu_scale[None, :]
     if SWAP:
         out = tl.trans(acc)
-        out_up = tl.trans(acc_up)
     else:
         out = acc
-        out_up = acc_up
     ym = (rows[:, None] < M) & (cols[None, :] < N)
-    if GATED:  # fc1's output values (rounded to its dtype as y would be), then swiglu_quant_triton's arithmetic
-        if ROUND_BF16:
-            out = out.to(tl.bfloat16).to(tl.float32)
-            out_up = out_up.to(tl.bfloat16).to(tl.float32)
-        a = silu_mul(out, out_up, ROUND_BF16, LIBDEVICE_EXP)
-        if ROUND_BF16:
-            a = a.to(tl.bfloat16).to(tl.float32)
-        quantize_store_groups(a, rows, cols, ym, pid_n, y_ptr, out_ptr, M, stride_ym, stride_gs, 1, inv_max, fmax,
-                              eps, UE8M0)
-    else:
-        tl.store(y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :],
-                 out.to(y_ptr.dtype.element_ty), mask=ym)
-        if FUSED_SUM:  # split-K: the last of the tile's programs to finish sums the partials (fixed order)
-            tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
-            tile = pid_n * tl.num_programs(0) + pid_m
-            done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:
-                offs = rows[:, None] * stride_ym + cols[None, :]
-                total = tl.load(y_ptr + offs, mask=ym, other=0.0, cache_modifier=".cg")
-                for sp in tl.static_range(1, SPLIT):
-                    total += tl.load(y_ptr + sp * stride_ys + offs, mask=ym, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ym)
-                tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call (and graph replay)
+    tl.store(y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :],
+             out.to(y_ptr.dtype.element_ty), mask=ym)
+    if FUSED_SUM:  # split-K: the last of the tile's programs to finish sums the partials (fixed order)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves (release below)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            offs = rows[:, None] * stride_ym + cols[None, :]
+            total = tl.load(y_ptr + offs, mask=ym, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLIT):
+                total += tl.load(y_ptr + sp * stride_ys + offs, mask=ym, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ym)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
@@ -150,9 +120,6 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr
 # faster at M=64 and 256, never slower.
 SWAP_MAX_M = 16
 USE_TMA = True
-# The gated GEMM (fc1 with the SwiGLU quantizer in its epilogue) holds two accumulators: with 4 warps its 64-row tile
-# takes 254 registers per thread (sm_90a, Triton 3.6: ``tools/kernel_sass.py``), with 8 warps 160
-GATED_WARPS = 8
 
 
 def _tma_ok(q: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -208,10 +175,10 @@ def plan(M: int, N: int, K: int, G: int, device: torch.device, block_n: int | No
 def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, recipe: FP8Recipe,
                    out_dtype: torch.dtype | None = None, return_quantized: bool = False,
                    block_n: int | None = None, split_k: int | None = None, num_stages: int = 4,
-                   block_m: int | None = None, prequant: bool | None = None, num_warps: int | None = None,
+                   block_m: int | None = None, prequant: bool | None = None, num_warps: int = 4,
                    swiglu: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
                    fused_sum: bool = False, return_partials: bool = False, swap: bool | None = None,
-                   tma: bool | None = None, gated: bool = False):
+                   tma: bool | None = None):
     """``x [..., K]`` (bf16/fp32) times the cached FP8 weight ``[N, K]`` with ``w_scale``
     ``[ceil(N/128), ceil(K/128)]``; returns y ``[..., N]`` (and, with ``return_quantized``, the
     activation bytes and scales the kernel used, for tests). ``block_n``/``split_k``/``block_m``/
@@ -231,11 +198,7 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     ``[split, M, N]`` for a consumer that sums them itself in split order (the decoder's residual add +
     RMSNorm kernel: same bytes as the sum kernel, one launch less), else y and 1. ``swap``: compute each
     tile as y^T = W x^T (None: up to ``SWAP_MAX_M`` rows); ``tma``: load the FP8 weight and pre-quantized x
-    tiles through tensor descriptors (None: ``USE_TMA``, where the layouts allow it; otherwise plain loads).
-    ``gated``: the weight is the MLP's fused fc1 ``[gate | up]`` (2F rows, F a multiple of 128) and the call returns
-    ``(q [..., F], scales [..., F/128])``, the 1x128 quantization of ``silu(y[..., :F]) * y[..., F:]`` for fc2
-    (``xq``), computed in the GEMM's epilogue from y's values in ``out_dtype``: the bytes and scales of
-    ``swiglu_quant_triton`` on this call's ungated y, without writing y or launching the quantizer (split 1)."""
+    tiles through tensor descriptors (None: ``USE_TMA``, where the layouts allow it; otherwise plain loads)."""
     lead, K = x.shape[:-1], x.shape[-1] // 2 if swiglu else x.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -243,12 +206,6 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     M, N, G = x2.shape[0], qweight.shape[0], recipe.group_size
     if qweight.shape[1] != K or w_scale.shape != (triton.cdiv(N, G), triton.cdiv(K, G)):
         raise ValueError(f"small_m_linear: weight {tuple(qweight.shape)} / scale {tuple(w_scale.shape)} do not match K={K}")
-    if gated:
-        if swiglu or return_quantized or return_partials or N % (2 * G):
-            raise ValueError(f"small_m_linear: gated needs a [gate | up] weight of 2 x a multiple of {G} rows "
-                             f"(got {N}) and none of swiglu, return_quantized, return_partials")
-        return _gated(x2, qweight, w_scale, recipe, lead, out_dtype or x.dtype, num_stages, num_warps or GATED_WARPS,
-                      prequant, xq, swap, tma)
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if prequant is None:
         prequant = M > 8
@@ -283,10 +240,10 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
                               w_scale.stride(0), part.stride(0) if split > 1 else 0, N,
                               q.stride(0) if return_quantized or prequant else 0,
                               s.stride(0) if return_quantized or prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
-                              recipe.amax_eps, y, locks if locks is not None else y, 0, G=G, BLOCK_M=block_m,
+                              recipe.amax_eps, y, locks if locks is not None else y, G=G, BLOCK_M=block_m,
                               BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
                               STORE_Q=return_quantized and not prequant, NUM_STAGES=num_stages, PREQ=prequant,
-                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps or 4)
+                              SPLIT=split, FUSED_SUM=locks is not None, SWAP=swap, TMA=tma, num_warps=num_warps)
         if split > 1 and locks is None:
             if return_partials:
                 return part, split
@@ -295,41 +252,6 @@ def small_m_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor
     if return_partials:
         return y, 1
     return (y, q, s) if return_quantized else y
-
-
-def _gated(x2, qweight, w_scale, recipe, lead, y_dtype, num_stages, num_warps, prequant, xq, swap, tma):
-    """``small_m_linear(..., gated=True)``: one program per [BLOCK_M, 128] tile of the gate (and the same tile of the
-    up rows), K unsplit, the SwiGLU and its 1x128 quantization in the epilogue."""
-    (M, K), F, G = x2.shape, qweight.shape[0] // 2, recipe.group_size
-    q = torch.empty((M, F), dtype=recipe.dtype, device=x2.device)
-    s = torch.empty((M, F // G), dtype=torch.float32, device=x2.device)
-    if not M:
-        return q.view(*lead, F), s.view(*lead, F // G)
-    if xq is not None:
-        xq8, xs = xq
-        if xq8.shape != (M, K) or xs.shape != (M, triton.cdiv(K, G)) or xq8.stride(-1) != 1 or xs.stride(-1) != 1:
-            raise ValueError(f"small_m_linear: pre-quantized input {tuple(xq8.shape)} / {tuple(xs.shape)} does not "
-                             f"match x [{M}, {K}] with row-major scales")
-        prequant = True
-    elif prequant if prequant is not None else M > 8:
-        from megatron_jetrl.kernels.triton_quant import quantize_act_triton
-
-        xq8, xs = quantize_act_triton(x2, recipe)
-        prequant = True
-    else:
-        xq8, xs, prequant = q, s, False  # x quantized per program (the pointers are not read)
-    swap = M <= SWAP_MAX_M if swap is None else swap
-    block_m, block_n, _, per = plan(M, F, K, G, x2.device, G, 1, swap=swap)
-    tma = (USE_TMA if tma is None else tma) and prequant and _tma_ok(xq8, qweight)
-    wt, qt = ((TensorDescriptor.from_tensor(qweight, [block_n, G]), TensorDescriptor.from_tensor(xq8, [block_m, G]))
-              if tma else (qweight, xq8))
-    _small_m_kernel[(triton.cdiv(M, block_m), F // block_n, 1)](
-        x2, wt, w_scale, q, qt, xs, M, F, K, per, x2.stride(0), qweight.stride(0), w_scale.stride(0), 0, F,
-        xq8.stride(0) if prequant else 0, xs.stride(0) if prequant else 0, 1.0 / recipe.fp8_max, recipe.fp8_max,
-        recipe.amax_eps, s, q, s.stride(0), G=G, BLOCK_M=block_m, BLOCK_N=block_n, UE8M0=recipe.scale_fmt == "ue8m0",
-        STORE_Q=False, NUM_STAGES=num_stages, PREQ=prequant, SPLIT=1, FUSED_SUM=False, SWAP=swap, TMA=tma, GATED=True,
-        ROUND_BF16=y_dtype == torch.bfloat16, LIBDEVICE_EXP=not triton_interpreted(), num_warps=num_warps)
-    return q.view(*lead, F), s.view(*lead, F // G)
 
 
 def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

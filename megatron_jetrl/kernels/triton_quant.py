@@ -217,13 +217,6 @@ def _swiglu_tile(y_ptr, rows, cols, mask, stride_ym, F, ROUND_BF16: tl.constexpr
     base = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
-    return silu_mul(gate, up, ROUND_BF16, LIBDEVICE_EXP)
-
-
-@triton.jit
-def silu_mul(gate, up, ROUND_BF16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
-    """fp32 ``silu(gate) * up`` of fp32 tiles holding the fc1 output's values (BF16 values when ROUND_BF16), silu
-    rounded to BF16 first when ROUND_BF16 (as the eager ops round it; the caller rounds the product)."""
     # torch's CUDA silu: x / (1 + expf(-x)) in fp32 with IEEE division, then the tensor's dtype
     # (libdevice's expf is CUDA's; tl.exp is the fast approximation; the CPU interpreter has only it)
     if LIBDEVICE_EXP:
