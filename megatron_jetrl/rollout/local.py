@@ -89,13 +89,14 @@ class LocalEngine:
         return d
 
     @classmethod
-    def from_config(cls, model, fp8_state, cfg, pad_id: int, seed: int | None = None) -> "LocalEngine":
+    def from_config(cls, model, fp8_state, cfg, pad_id: int, seed: int | None = None,
+                    keep_cache: bool | None = None) -> "LocalEngine":
         """The engine ``rollout.engine=local`` builds over the trainer's model (``cfg``: the run's JetConfig; ``seed``:
-        the sampling seed, ``cfg.seed`` when None)."""
+        the sampling seed, ``cfg.seed`` when None; ``keep_cache``: ``rollout.keep_decode_cache`` when None)."""
         r = cfg.rollout
         return cls(model, fp8_state, pad_id, seed=cfg.seed if seed is None else seed,
-                   vocab_size=cfg.model.vocab_size, model_cfg=cfg.model,
-                   decode=r.decode, cuda_graphs=r.cuda_graphs, bucket=r.decode_bucket, keep_cache=r.keep_decode_cache,
+                   vocab_size=cfg.model.vocab_size, model_cfg=cfg.model, decode=r.decode, cuda_graphs=r.cuda_graphs,
+                   bucket=r.decode_bucket, keep_cache=r.keep_decode_cache if keep_cache is None else keep_cache,
                    attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout)
 
     @torch.no_grad()
