@@ -84,9 +84,9 @@ def attention_table(fracs: list[float], keys: int, dim: int, trials: int, g: tor
                     q, k, v = (torch.randn(n, dim, generator=g).bfloat16() for n in (4, keys, keys))
                     q2, k2, v2 = (ulp_apart(t, frac, g) for t in (q, k, v))
                     ref = online_attention(q.float(), cached(k), cached(v), trainer, torch.bfloat16)
-                    d_now += (online_attention(q2.float(), cached(k2), cached(v2), now, torch.float16) - ref).abs().mean()
-                    d_aligned += (online_attention(q2.float(), cached(k2), cached(v2), trainer, torch.bfloat16)
-                                  - ref).abs().mean()
+                    q2, k2, v2 = q2.float(), cached(k2), cached(v2)  # the decoder's inputs, for both of its forms
+                    d_now += (online_attention(q2, k2, v2, now, torch.float16) - ref).abs().mean()
+                    d_aligned += (online_attention(q2, k2, v2, trainer, torch.bfloat16) - ref).abs().mean()
                 rows.append({"frac": frac, "cache": cache, "trainer": "from the last" if from_last else "from key 0",
                              "now": float(d_now) / trials, "aligned": float(d_aligned) / trials})
     return rows
