@@ -86,22 +86,28 @@ def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeyp
     assert json.load(open(tmp_path / "rows.json"))[1]["why"] == line
 
 
+def _fitted_rollout(cfg, batch, prompt_len, new_tokens, bandwidth, profile=0, label=None):
+    """``bench rollout``'s ``run_mode`` as a line: step = base + KV read / rate (bf16 5.4 ms + KV at 4.6 TB/s, the
+    others 4.1 + KV at 4.5); bf16's cache refused past 2,048 new tokens."""
+    import megatron_jetrl.bench.rollout as br
+    from megatron_jetrl.errors import ConfigError
+
+    kv = br.kv_read_gb(cfg, batch, prompt_len, new_tokens)
+    if label == "bf16" and new_tokens > 2048:
+        raise ConfigError("rollout: the KV cache does not fit")
+    base, rate = (5.4, 4.6) if label == "bf16" else (4.1, 4.5)
+    step = base + kv / rate
+    return {"mode": label, "batch": batch, "new_tokens": new_tokens, "tokens_per_s": batch * 1e3 / step,
+            "decode_step_ms": step, "kv_GB_read_per_step_mean": kv}
+
+
 def test_bench_rollout_projects_a_refused_mode_from_its_fit(tmp_path, monkeypatch, capsys):
     """bf16 measured at two lengths and refused at a third (its cache does not fit) gets the fitted step there,
     from the KV bytes it would have read; a mode measured at that length is compared with the fitted bf16 step."""
     import megatron_jetrl.bench.rollout as br
-    from megatron_jetrl.errors import ConfigError
     from megatron_jetrl.precision.recipe import kv_cache_bytes
 
-    def fake(cfg, batch, prompt_len, new_tokens, bandwidth, profile=0, label=None):
-        kv = br.kv_read_gb(cfg, batch, prompt_len, new_tokens)
-        if label == "bf16" and new_tokens > 2048:
-            raise ConfigError("rollout: the KV cache does not fit")
-        base, rate = (5.4, 4.6) if label == "bf16" else (4.1, 4.5)
-        return {"mode": label, "batch": batch, "new_tokens": new_tokens, "tokens_per_s": 1.0,
-                "decode_step_ms": base + kv / rate, "kv_GB_read_per_step_mean": kv}
-
-    monkeypatch.setattr(br, "run_mode", fake)
+    monkeypatch.setattr(br, "run_mode", _fitted_rollout)
     rows = br.main(["--preset", "tiny", "--batch", "256", "--new-tokens", "1024,2048,4096", "--modes",
                     "bf16,jet+fp8kv", "--prompt-len", "128", "--json", str(tmp_path / "rows.json")])
     refused = rows[4]
@@ -121,6 +127,36 @@ def test_bench_rollout_projects_a_refused_mode_from_its_fit(tmp_path, monkeypatc
     assert f"| bf16 | - | 256 | 4096 | - | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
     assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out
     assert json.load(open(tmp_path / "rows.json"))[4]["decode_step_ms_fitted"] == pytest.approx(5.4 + want / 4.6)
+
+
+def test_bench_rollout_merges_runs_and_plots(tmp_path, monkeypatch, capsys):
+    """``--from``: the rows of two processes (1K and 2K new tokens in one, 4K alone in the other, where bf16's cache
+    does not fit and no fit can project it) reported as one run: the fit over all three lengths projects bf16 at 4K
+    and compares jet + FP8 KV there; ``--plot`` draws the curves; ``--json`` may not overwrite an input."""
+    import megatron_jetrl.bench.rollout as br
+
+    monkeypatch.setattr(br, "run_mode", _fitted_rollout)
+    common = ["--preset", "tiny", "--batch", "64", "--modes", "bf16,jet+fp8kv", "--prompt-len", "128"]
+    short, long, merged = (str(tmp_path / f"{n}.json") for n in ("short", "long", "merged"))
+    br.main([*common, "--new-tokens", "1024,2048", "--json", short])
+    alone = br.main([*common, "--new-tokens", "4096", "--json", long])
+    assert alone[0]["oom"] and "decode_step_ms_fitted" not in alone[0] and "step_vs_bf16_fitted" not in alone[1]
+    capsys.readouterr()
+    rows = br.main(["--from", short, long, "--plot", str(tmp_path / "rollout.png"), "--json", merged])
+    assert [(r["mode"], r["new_tokens"]) for r in rows] == [(m, n) for n in (1024, 2048, 4096)
+                                                            for m in ("bf16", "jet+fp8kv")]
+    bf16, fp8 = rows[4], rows[5]
+    assert bf16["decode_step_ms_fitted"] == pytest.approx(5.4 + bf16["kv_GB_read_per_step_mean"] / 4.6)
+    assert fp8["step_vs_bf16_fitted"] == pytest.approx(bf16["decode_step_ms_fitted"] / fp8["decode_step_ms"])
+    assert br.vs_bf16(rows, rows[1]) == (pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]), False)
+    out = capsys.readouterr().out
+    assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out and "rollout.png" in out
+    assert os.path.getsize(tmp_path / "rollout.png") > 10_000
+    assert json.load(open(merged))[4]["decode_step_ms_fitted"] == pytest.approx(bf16["decode_step_ms_fitted"])
+    before = open(long).read()
+    with pytest.raises(SystemExit):
+        br.main(["--from", short, long, "--json", long])
+    assert "is one of the --from files" in capsys.readouterr().err and open(long).read() == before
 
 
 def test_kv_fit_recovers_base_and_rate():

@@ -49,7 +49,7 @@ if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one
     tag=${RO_TAG}$([ "$at" = sdpa ] || echo "_$at")
     timeout ${RO_TIMEOUT:-300} python3 -m megatron_jetrl.cli bench rollout --preset llama3.1-8b-random --batch ${RO_BATCH:-64,256} \
       --modes ${RO_MODES:-bf16,jet} --new-tokens ${RO_TOKENS:-1024} --prompt-len 128 --profile ${RO_PROFILE:-5} \
-      --json $OUT/bench_rollout${tag}.json rollout.decode_attention=$at $RO_ARGS 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_rollout${tag}.txt
+      --json $OUT/bench_rollout${tag}.json --plot $OUT/bench_rollout${tag}.png rollout.decode_attention=$at $RO_ARGS 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_rollout${tag}.txt
   done
 fi
 if want sustained; then  # which part of the FP8-cache decode step slows under sustained load (SP_ARGS)

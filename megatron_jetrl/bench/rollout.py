@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
 import time
 
@@ -162,6 +164,66 @@ def projected(rows: list[dict], fits: list[dict]) -> None:
             r["step_vs_bf16_fitted"] = base[0]["decode_step_ms_fitted"] / r["decode_step_ms"]
 
 
+def merge_rows(runs: list[list[dict]]) -> list[dict]:
+    """Rows of several ``--json`` files (e.g. one process per response length) as one run's: the last row per (mode,
+    batch, new tokens), the fits' derived keys dropped (:func:`projected` recomputes them over all lengths)."""
+    derived = ("decode_step_ms_fitted", "step_vs_bf16_fitted")
+    last = {(r["mode"], r["batch"], r["new_tokens"]): {k: v for k, v in r.items() if k not in derived}
+            for rows in runs for r in rows}
+    return sorted(last.values(), key=lambda r: (r["new_tokens"], r["batch"]))
+
+
+def vs_bf16(rows: list[dict], r: dict) -> tuple[float | None, bool]:
+    """Row ``r``'s tokens/s over bf16's at the same (batch, new tokens) -> (ratio, fitted): bf16's measured row, else
+    its fitted step (``step_vs_bf16_fitted``: bf16's cache did not fit), else (None, False)."""
+    base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
+                 and b["new_tokens"] == r["new_tokens"]), None)
+    if base:
+        return r["tokens_per_s"] / base["tokens_per_s"], False
+    return r.get("step_vs_bf16_fitted"), "step_vs_bf16_fitted" in r
+
+
+def plot(rows: list[dict], path: str, title: str) -> str:
+    """Against the response length, one line per (mode, batch): tokens/s over bf16's (left) and the decode step in
+    ms (right). Hollow markers: a ratio against bf16's fitted step, or a mode's own fitted step where its cache did not
+    fit (:func:`projected`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    keys = sorted({(r["mode"], r["batch"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    for i, (mode, batch) in enumerate(keys):
+        rs = sorted((r for r in rows if (r["mode"], r["batch"]) == (mode, batch)), key=lambda r: r["new_tokens"])
+        style = dict(color=f"C{i}", label=f"{mode}, batch {batch}", linestyle="-" if batch == keys[0][1] else "--")
+        ratio = [(r["new_tokens"], *vs_bf16(rows, r)) for r in rs if not r.get("oom")]
+        ratio = [x for x in ratio if x[1] is not None]
+        step = [(r["new_tokens"], r["decode_step_ms"], False) if not r.get("oom")
+                else (r["new_tokens"], r.get("decode_step_ms_fitted"), True) for r in rs]
+        step = [x for x in step if x[1] is not None]
+        for ax, pts in ((left, ratio), (right, step)):
+            if not pts:
+                continue
+            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], **style)
+            for x, y, fitted in pts:
+                ax.plot([x], [y], "o", color=style["color"], markerfacecolor="none" if fitted else style["color"])
+    lengths = sorted({r["new_tokens"] for r in rows})
+    for ax, label in ((left, "tokens/s vs bf16 (same batch)"), (right, "decode step ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("new tokens per response")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def kv_read_gb(cfg, batch: int, prompt_len: int, steps: int) -> float:
     """GB of K and V a decode step reads on average over a rollout of ``steps`` new tokens (its mean length: prompt
     + steps / 2), in the cache's format (``recipe.kv_cache_bytes``: E4M3 + a scale per token and KV head, or the
@@ -283,8 +345,21 @@ def main(argv=None) -> list[dict]:
                     help="also print the kernel time per decode step by kernel, over STEPS steps, eager and (at the mean "
                     "length) as the CUDA graph replays it, with the idle time between its kernels (CPU ops off CUDA)")
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="write the tokens/s-vs-bf16 and decode-step curves over the response lengths here")
+    ap.add_argument("--from", dest="from_json", nargs="+", metavar="JSON",
+                    help="measure nothing: report (and --plot) the rows of these --json files as one run")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides for every mode")
     args = ap.parse_intermixed_args(argv)  # flags may follow config overrides (device_check.sh appends both)
+    if args.from_json:
+        if args.json and any(os.path.abspath(args.json) == os.path.abspath(f) for f in args.from_json):
+            ap.error(f"--json {args.json} is one of the --from files: name another file for the merged rows")
+        runs = []
+        for f in args.from_json:
+            with open(f) as fh:
+                runs.append(json.load(fh))
+        rows = merge_rows(runs)
+        header = f"# {len(rows)} rows of {', '.join(args.from_json)}"
+        return report(rows, header, args.json, args.plot)
     rows = []
     for new_tokens in map(int, args.new_tokens.split(",")):
         for batch in map(int, args.batch.split(",")):
@@ -309,11 +384,17 @@ def main(argv=None) -> list[dict]:
 
         bw = hbm_gbps_per_sm(torch.device("cuda", torch.cuda.current_device()))
         dev += f" ({bw:.1f} GB/s of memory bandwidth per SM)" if bw else " (memory clock not reported)"
-    print(f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens")
+    return report(rows, f"# {dev} torch {torch.__version__}, preset {args.preset}, prompt {args.prompt_len}, "
+                        f"{args.new_tokens} new tokens", args.json, args.plot)
+
+
+def report(rows: list[dict], header: str, json_path: str | None, plot_path: str | None) -> list[dict]:
+    """Print ``rows`` as the table (tokens/s vs bf16 at the same batch and length), the fit over response lengths
+    and the projections it makes (written into the rows, then to ``json_path``); ``plot_path``: :func:`plot`."""
+    print(header)
     fits = kv_fit(rows)
     projected(rows, fits)
-    dump_json(args.json, rows)
+    dump_json(json_path, rows)
     shown = []
     for r in rows:
         if r.get("oom"):
@@ -323,10 +404,8 @@ def main(argv=None) -> list[dict]:
                           "decode_step_ms": f"{fitted:.2f} fitted" if fitted else "-",
                           "kv_GB_read_per_step_mean": r["kv_GB_read_per_step_mean"]})
             continue
-        base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
-                     and b["new_tokens"] == r["new_tokens"]), None)
-        vs = (f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base
-              else f"{r['step_vs_bf16_fitted']:.3f} (step vs fitted)" if "step_vs_bf16_fitted" in r else "-")
+        ratio, fitted = vs_bf16(rows, r)
+        vs = "-" if ratio is None else f"{ratio:.3f}" + (" (step vs fitted)" if fitted else "")
         shown.append({**r, "tokens/s vs bf16": vs})
     cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "v_layout", "cuda_graphs", "rollout_s", "prefill_s",
             "decode_step_ms", "tokens_per_s", "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound",
@@ -343,6 +422,8 @@ def main(argv=None) -> list[dict]:
         print_table([{**f, "base_ms": f"{f['base_ms']:.2f}", "kv_TBps": f"{f['kv_TBps']:.2f}" if f["kv_TBps"] else "-"}
                      for f in fits],
                     ["mode", "batch", "points", "base_ms", "kv_TBps"])
+    if plot_path:
+        print("# wrote", plot(rows, plot_path, header.lstrip("# ")))
     return rows
 
 
