@@ -40,7 +40,7 @@ def test_bench_rollout_harness(tmp_path):
     assert [(r["mode"], r["batch"]) for r in rows] == [("bf16", 3), ("jet", 3), ("bf16", 5), ("jet", 5)]
     for r in rows:  # no stop tokens: every row runs to the end
         assert r["new_tokens"] == 24 and r["sample_tokens"] == 24 * r["batch"] and not r["cuda_graphs"]
-        assert r["attention"] == "sdpa"  # the attention that ran, named in every row
+        assert r["attention"] == "sdpa" and r["device"] == "CPU"  # what ran, and where, named in every row
         assert r["decode_bucket"] == 64 and r["graphs"] == 0  # the default bucket; no CUDA graphs on CPU
         assert r["rollout_s"] > r["prefill_s"] > 0 and r["decode_step_ms"] > 0
     # the tiny preset keeps fp32 parameters: its FP8 linears read 1 byte + scales instead of 4
@@ -157,6 +157,12 @@ def test_bench_rollout_merges_runs_and_plots(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         br.main(["--from", short, long, "--json", long])
     assert "is one of the --from files" in capsys.readouterr().err and open(long).read() == before
+    other = str(tmp_path / "other.json")  # another GPU's rows: not merged
+    json.dump([{**r, "device": "NVIDIA H100 80GB HBM3"} for r in json.load(open(long))], open(other, "w"))
+    json.dump([{**r, "device": "NVIDIA H200"} for r in json.load(open(short))], open(short, "w"))
+    with pytest.raises(SystemExit):
+        br.main(["--from", short, other])
+    assert "rows of 2 devices" in capsys.readouterr().err
 
 
 def test_kv_fit_recovers_base_and_rate():

@@ -166,8 +166,13 @@ def projected(rows: list[dict], fits: list[dict]) -> None:
 
 def merge_rows(runs: list[list[dict]]) -> list[dict]:
     """Rows of several ``--json`` files (e.g. one process per response length) as one run's: the last row per (mode,
-    batch, new tokens), the fits' derived keys dropped (:func:`projected` recomputes them over all lengths)."""
+    batch, new tokens), the fits' derived keys dropped (:func:`projected` recomputes them over all lengths). Rows of
+    different devices raise ConfigError."""
     derived = ("decode_step_ms_fitted", "step_vs_bf16_fitted")
+    devices = {r["device"] for rows in runs for r in rows if "device" in r}
+    if len(devices) > 1:
+        raise ConfigError(f"bench rollout --from: rows of {len(devices)} devices ({', '.join(sorted(devices))}); "
+                          "ratios and fits compare one device's rows: pass one device's --json files")
     last = {(r["mode"], r["batch"], r["new_tokens"]): {k: v for k, v in r.items() if k not in derived}
             for rows in runs for r in rows}
     return sorted(last.values(), key=lambda r: (r["new_tokens"], r["batch"]))
@@ -299,6 +304,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
            "prompt_len": prompt_len, "new_tokens": steps,
+           "device": torch.cuda.get_device_name() if cuda else "CPU",  # --from merges one device's rows only
            # what ran: exact mode decodes on the static decoder's exact kernels, or (CPU) with the trainer's forward
            "decode": "static" if engine.static_decoding else "trainer forward" if state.recipe.exact else r.decode,
            "attention": ("exact" if getattr(dec, "exact", False)
@@ -357,7 +363,10 @@ def main(argv=None) -> list[dict]:
         for f in args.from_json:
             with open(f) as fh:
                 runs.append(json.load(fh))
-        rows = merge_rows(runs)
+        try:
+            rows = merge_rows(runs)
+        except ConfigError as e:
+            ap.error(str(e))
         header = f"# {len(rows)} rows of {', '.join(args.from_json)}"
         return report(rows, header, args.json, args.plot)
     rows = []
