@@ -159,9 +159,15 @@ def projected(rows: list[dict], fits: list[dict]) -> None:
     for r in rows:
         if r.get("oom") or r["mode"] == "bf16":
             continue
-        base = [b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and b["new_tokens"] == r["new_tokens"]]
-        if base and base[0].get("oom") and "decode_step_ms_fitted" in base[0]:
-            r["step_vs_bf16_fitted"] = base[0]["decode_step_ms_fitted"] / r["decode_step_ms"]
+        base = bf16_row(rows, r)
+        if base and base.get("oom") and "decode_step_ms_fitted" in base:
+            r["step_vs_bf16_fitted"] = base["decode_step_ms_fitted"] / r["decode_step_ms"]
+
+
+def bf16_row(rows: list[dict], r: dict) -> dict | None:
+    """bf16's row at row ``r``'s (batch, new tokens), measured or refused (``oom``), or None."""
+    return next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"]
+                 and b["new_tokens"] == r["new_tokens"]), None)
 
 
 def merge_rows(runs: list[list[dict]]) -> list[dict]:
@@ -181,9 +187,8 @@ def merge_rows(runs: list[list[dict]]) -> list[dict]:
 def vs_bf16(rows: list[dict], r: dict) -> tuple[float | None, bool]:
     """Row ``r``'s tokens/s over bf16's at the same (batch, new tokens) -> (ratio, fitted): bf16's measured row, else
     its fitted step (``step_vs_bf16_fitted``: bf16's cache did not fit), else (None, False)."""
-    base = next((b for b in rows if b["mode"] == "bf16" and b["batch"] == r["batch"] and not b.get("oom")
-                 and b["new_tokens"] == r["new_tokens"]), None)
-    if base:
+    base = bf16_row(rows, r)
+    if base and not base.get("oom"):
         return r["tokens_per_s"] / base["tokens_per_s"], False
     return r.get("step_vs_bf16_fitted"), "step_vs_bf16_fitted" in r
 
