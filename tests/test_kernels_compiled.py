@@ -48,22 +48,26 @@ def test_exact_gemm_pipelined_loop_holds_only_the_promotion(plan):
 def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
     """The decode attention over the FP8 KV cache (the key-major kernel over V stored [L, d], the H100 decoder's; its
     plan 128-key tiles, 4 warps, 2 stages) against the BF16 cache's (head-major, 64-key tiles): per KV byte its loop
-    issues at most 1.6x the BF16 loop's warp-instructions (1.52x with Triton 3.6, 1.54x with 3.9; the head-major form
-    over FP8 tiles issued 2.3-2.4x), converts each E4M3 pair once (about 2 x 128 x 128 / 2 conversions per
-    thread-iteration of 128 keys) and spills next to nothing (none with Triton 3.6, 3 of 791 instructions per
-    iteration with 3.9 at 255 registers). V's bytes come out of shared memory one at a time there
-    (``LDS.U8``: the P.V operand is contiguous along d, not along the keys it sums over), and yet the kernel is as fast
-    as over a key-major V on the H100 (it waits on memory). Over a key-major V (exact mode's layout) it issues at
-    most 1.4x (0.95x / 1.31x), reads no cache byte on its own and spills nothing."""
+    issues at most 1.9x the BF16 loop's warp-instructions (1.68x with Triton 3.6 at 239 registers, 1.82x with 3.9;
+    the head-major form over FP8 tiles issued 2.3-2.4x) and converts each E4M3 pair once (about 2 x 128 x 128 / 2
+    conversions per thread-iteration of 128 keys). Its one loop masks every tile's loads (the split's last tile is
+    masked, so all are): 10% more instructions than the unmasked loop over whole tiles that preceded it (1.52x), and
+    with Triton 3.9 at 255 registers 43 local-memory spill instructions per iteration (26 loads, 17 stores; bounded
+    here at 48); timed with Triton 3.6 the one loop made the H100's decode step 1.5-3.5% faster than whole tiles and
+    unpipelined tail tiles (docs/benchmarks.md, "FP8 KV cache"). V's bytes come out of shared memory one at a time
+    there (``LDS.U8``: the P.V operand is contiguous along d, not along the keys it sums over), and yet the kernel is
+    as fast as over a key-major V on the H100 (it waits on memory). Over a key-major V (the H200 decoder's and exact
+    mode's layout; its loop over whole tiles unmasked) it issues at most 1.4x (0.95x / 1.31x), reads no cache byte on
+    its own and spills nothing."""
     ks = _kernel_sass()
     bf16, fp8 = ks.decode_attn_plan("bf16:64:4:2"), ks.decode_attn_plan("fp8:128:4:2")
     assert fp8["loop"] and bf16["loop"]
-    assert fp8["per_byte"] <= 1.6 * bf16["per_byte"], (fp8["per_byte"], bf16["per_byte"], fp8["mix"].most_common(8))
+    assert fp8["per_byte"] <= 1.9 * bf16["per_byte"], (fp8["per_byte"], bf16["per_byte"], fp8["mix"].most_common(8))
     km = ks.decode_attn_plan("fp8km:128:4:2")
     assert km["per_byte"] <= 1.4 * bf16["per_byte"], (km["per_byte"], bf16["per_byte"], km["mix"].most_common(8))
     for plan in (fp8, km):
         assert plan["mix"]["F2FP"] <= 1.1 * 128, plan["mix"]
-    assert fp8["mix"]["LDL"] + fp8["mix"]["STL"] <= 4 and not (km["mix"]["LDL"] or km["mix"]["STL"]), (fp8["mix"], km["mix"])
+    assert fp8["mix"]["LDL"] + fp8["mix"]["STL"] <= 48 and not (km["mix"]["LDL"] or km["mix"]["STL"]), (fp8["mix"], km["mix"])
     assert not any("LDS.U8" in ln for ln in km["loop"]), [ln for ln in km["loop"] if "LDS.U8" in ln][:3]
 
 

@@ -755,9 +755,11 @@ def test_decode_attention_kernel_under_the_interpreter(tmp_path):
     unquantized: in jet a last-bit difference can cross an E4M3 rounding boundary): the same sampled
     tokens as the SDPA decoder with the logprobs to 1e-4 (the sums run in another order), one graph key
     for every length, and the kernel actually called at every decode step. The key-major kernel (V key-major:
-    whole tiles unmasked, the split's last keys in masked tail tiles) equals SDPA alike, and in jet with the FP8 KV
-    cache the Triton decoder (the key-major kernel over V stored [L, d], contiguous cache writes) draws the SDPA
-    decoder's tokens (logprobs to 1e-4)."""
+    whole tiles unmasked, the split's last keys in masked tail tiles; V [L, d]: one loop, its last tile masked) equals
+    SDPA alike; over rows of a multiple of 16 keys, whose masked tiles load up to 15 keys past pos, whatever K holds
+    there and a finite V weigh nothing. In jet with the FP8 KV cache the Triton decoder (the key-major kernel over V
+    stored [L, d], contiguous cache writes) draws the SDPA decoder's tokens (logprobs to 1e-4), V key-major too, and
+    a prefill zeroes the V an earlier rollout left past the prompt (NaN bytes here)."""
     make_hf_model("llama", str(tmp_path), seed=7)
     code = r'''
 import sys
@@ -783,6 +785,24 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (3, 8, 4, 64, 40, 2
     for bn in (16, 64):  # 64: whole tiles, then up to two masked 32-key tail tiles
         out = decode_attention(q, k, vk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=bn)
         assert (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, bn, (out - ref).abs().max())
+# rows of a multiple of 16 keys (the decoder's): masked tiles load keys up to pos + 1 rounded up to 16, which weigh 0
+# whatever K holds there (NaN here) as long as V is finite; keys past that are never read (NaN in K and V)
+for b, H, G, D, L, pos, splits, bn in ((2, 8, 2, 64, 96, 37, 1, 64), (2, 8, 2, 64, 96, 37, 2, 16),
+                                       (2, 4, 4, 128, 160, 100, 1, 128), (3, 4, 2, 32, 64, 0, 1, 64)):
+    q = torch.randn(b, H, D, generator=g)
+    k, v = torch.randn(b, G, L, D, generator=g), torch.randn(b, G, L, D, generator=g)
+    ok = torch.ones(b, L, dtype=torch.bool)
+    bias = torch.zeros(b, 1, 1, L)
+    bias[..., pos + 1:] = float("-inf")
+    ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias, scale=D ** -0.5, enable_gqa=H != G)[:, :, 0]
+    hl = -(-(pos + 1) // 16) * 16
+    assert hl > pos + 1 or pos == 63
+    k[:, :, pos + 1:] = float("nan")
+    v[:, :, pos + 1:hl] = 1e4
+    v[:, :, hl:] = float("nan")
+    for vv in (v, v.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        out = decode_attention(q, k, vv, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=bn)
+        assert (out - ref).abs().max() < 1e-5, (b, H, G, D, L, pos, splits, bn, vv.stride(), (out - ref).abs().max())
 
 from megatron_jetrl.launch.planner import server_memory
 from megatron_jetrl.rollout.base import SamplingParams
@@ -839,6 +859,13 @@ for a, b in zip(runs["sdpa"], runs["triton"]):
     assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
     lp += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
 assert max(lp) < 1e-4, max(lp)
+# whatever an earlier rollout left in V past the prompt (NaN bytes here) is zeroed by the next prefill: the kernel's
+# masked tiles read up to 15 keys past the step's position
+rows = dec._full_rows(dec.v, 3)  # [layers, B, groups, keys the rows hold, d]
+rows.view(torch.uint8).fill_(0x7F)  # E4M3 NaN in every V byte, the rows' alignment padding included
+again = engine.generate(prompts, params)
+assert engine._decoder is dec and all(x == x for r in again for x in r.output_logprobs)
+assert torch.isfinite(rows.float()).all() and not rows[..., max(map(len, prompts)) + params.max_new_tokens:, :].float().any()
 # a longer rollout needs a new decoder: the old one (its KV cache) is freed before the new one allocates
 import gc
 import weakref

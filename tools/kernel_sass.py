@@ -84,7 +84,8 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     consts = {"HPG": 4, "D": 128, "BLOCK_H": block_h or (8 if fp8 else 16), "BLOCK_D": 128, "BLOCK_N": block_n,
               "SPLIT": splits, "NUM_STAGES": stages, "IEEE": False}
     if fp8:  # V's unit stride (Triton specializes a 1 as a constant): its features ([L, d]) or its keys ([d, L])
-        consts.update(TAIL_N=TAIL_N, KV_FP8=True, F16=True, **{"sv_l" if v_key_major else "sv_d": 1})
+        consts.update(TAIL_N=TAIL_N, V_KEYS=v_key_major, LOAD16=True, KV_FP8=True, F16=True,
+                      **{"sv_l" if v_key_major else "sv_d": 1})
     return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
 
 

@@ -28,8 +28,8 @@ gather V's bytes one key at a time for the P.V operand (V's reduction axis, the 
 cache) and padded the 4 query heads of an 8B group to the MMA's 16 rows; compiled for sm_90a (``python
 tools/kernel_sass.py decode-attn``) its loop issued 39.5 warp-instructions per key at 255 registers (2 programs per
 SM). The key-major kernel computes S^T = K q^T and O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands,
-the query heads are the narrow side (8), the loop's tiles are whole (unmasked loads) and a split's last keys run in
-masked 32-key tiles. Over a V stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
+the query heads are the narrow side (8); a split's keys run in whole tiles, its last keys masked (below). Over a V
+stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
 fp16 conversion per pair) its loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV
 byte what the BF16 kernel issues (0.059 vs 0.062); over a V ``[L, d]`` 24.7 at 203 registers (2 programs
 per SM), and on the H100 as fast: there the kernel waits on memory (64 rows x 2,048 keys, 32 layers: write +
@@ -59,7 +59,7 @@ from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 LOG2E = math.log2(math.e)
-TAIL_N = 32  # the key-major kernel's masked tiles at a split's end (narrow: few registers beside the pipelined loop)
+TAIL_N = 32  # a key-major V's masked tiles at a split's end (narrow: few registers beside the pipelined loop)
 
 P_F16: tl.constexpr = tl.constexpr(256.0)
 
@@ -131,13 +131,24 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
                              so_b, so_h, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
                              HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                             NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                             F16: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
+                             NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, V_KEYS: tl.constexpr,
+                             LOAD16: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr,
+                             QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
     (key-contiguous in a [d, L] layout: wide loads, one conversion per pair of keys; d-contiguous in a [L, d] one,
     which this kernel reads as fast where it waits on memory, the H100). The query heads
     of a group are the MMA's narrow dimension (BLOCK_H = 8 for 4 heads, where the head-major form pads them to 16),
-    the loop's tiles hold only keys below ``pos`` (unmasked loads) and masked ``TAIL_N``-key tiles end the split."""
+    a split's keys run in whole ``BLOCK_N``-key tiles, the masked ones scored to ``hi`` and loaded to ``hl``: ``hi``
+    rounded up to 16 keys where the cache's rows hold a multiple of 16 (``LOAD16``), so that a key-major V's masked
+    tiles load whole 16-byte vectors; the up to 15 keys past ``hi`` they read weigh 0, and their V must be finite (the
+    decoder's cache past the step's position holds zeros, ``StaticDecoder.prefill``). With V key-major (``V_KEYS``)
+    the loop over the whole tiles is unmasked and the split's last keys follow in unpipelined ``TAIL_N``-key tiles;
+    with V ``[L, d]`` one pipelined loop covers the split, its last tile masked. Measured on the rollout's graph
+    (H100, 8B, 64 rows; docs/benchmarks.md, "FP8 KV cache"): each unpipelined tail tile costs a memory latency (2.7 us
+    per layer over V ``[L, d]``, a sawtooth of period ``BLOCK_N`` keys in the step's time), which the one loop
+    removes (3.5% of the step at 660-916 keys, 1.5% at 4,116-4,372) where over a key-major V its masked loads slowed
+    the whole loop (up to 5% at 4K keys); a key-major V's tail tiles loaded byte by byte until their mask was
+    16-key-granular (2.6-5.2% of the step)."""
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
                                                      SPLIT)
     if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
@@ -145,7 +156,7 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
         # above 2^-14
         q = q.to(tl.float16)
     qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
-    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # whole tiles below hi; [full, hi) is the tail
+    hl = tl.multiple_of((hi + 15) // 16 * 16, 16) if LOAD16 else hi  # the last tile's loads end here
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)  # O^T
@@ -153,12 +164,21 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     v_row = v_ptr + b * sv_b + g * sv_g
     ok_row = ok_ptr + b * sok_b
     s_row = b * ss_b + g * ss_g  # the FP8 cache's per-key scales [b, G, L] (KV_FP8)
-    for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, m_i, l_i,
-                                   acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, IEEE, KV_FP8, F16)
-    for start in tl.range(full, hi, TAIL_N, num_stages=1):  # the split's last keys, masked, in narrow tiles
-        m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, m_i, l_i,
-                                   acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, TAIL_N, True, IEEE, KV_FP8, F16)
+    if V_KEYS:  # whole tiles unmasked, then [full, hi) in narrow masked tiles
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
+                                       l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, IEEE, KV_FP8,
+                                       F16)
+        for start in tl.range(full, hi, TAIL_N, num_stages=1):
+            m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
+                                       l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, TAIL_N, True, IEEE, KV_FP8,
+                                       F16)
+    else:  # one pipelined loop, its last tile masked
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
+                                       l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, True, IEEE, KV_FP8,
+                                       F16)
     if F16:
         acc = acc * (1.0 / P_F16)
     _store_out(tl.trans(acc), l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
@@ -167,22 +187,23 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
 
 
 @triton.jit
-def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
-               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
+def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
-    """One key tile of the key-major kernel: keys ``start..start+BLOCK_N`` (``TAIL``: those below ``hi``, the rest
-    read as 0 and weighed 0) -> the online softmax's updated (max, sum, O^T). Scores in base 2 (``qk_scale`` holds
-    log2(e)); an FP8 key's power-of-two scale multiplies its fp32 score and a value's scale (times P_F16 on fp16)
-    its softmax weight, exactly."""
+    """One key tile of the key-major kernel: keys ``start..start+BLOCK_N`` (``MASKED``: those below ``hi`` weighed,
+    their K and V bytes loaded below ``hl >= hi``, the rest read as 0) -> the online softmax's updated (max, sum, O^T).
+    Scores in base 2 (``qk_scale`` holds log2(e)); an FP8 key's power-of-two scale multiplies its fp32 score and a
+    value's scale (times P_F16 on fp16) its softmax weight, exactly."""
     keys = start + tl.arange(0, BLOCK_N)
     dd = tl.arange(0, BLOCK_D)
     k_ptrs = k_row + keys[:, None] * sk_l + dd[None, :]
     v_ptrs = v_row + dd[:, None] * sv_d + keys[None, :] * sv_l
-    if TAIL:
+    if MASKED:
         km = keys < hi
+        kl = keys < hl
         ok = (tl.load(ok_row + keys, mask=km, other=0) != 0) & km
-        kt = tl.load(k_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
-        vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & km[None, :], other=0.0)
+        kt = tl.load(k_ptrs, mask=kl[:, None] & (dd < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & kl[None, :], other=0.0)
         if KV_FP8:
             kscale = tl.load(ks_row + keys, mask=km, other=1.0) * qk_scale
             vscale = tl.load(vs_row + keys, mask=km, other=0.0)
@@ -338,7 +359,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
             xb, xs, xb.stride(0), xs.stride(0), xs.stride(1), inv_max, fmax, eps,
-            HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n), KV_FP8=fp8,
+            HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n),
+            V_KEYS=v_cache.stride(2) == 1 and L > 1, LOAD16=L % 16 == 0, KV_FP8=fp8,
             F16=fp8 and q.dtype != torch.float32, QUANT=xq is not None,
             UE8M0=xq is not None and quant.scale_fmt == "ue8m0", **common)
     else:

@@ -232,7 +232,7 @@ class StaticDecoder:
         # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V's feature row, a row of
         # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
         # (H100, a key-major V of 64 x 2,280 keys: docs/benchmarks.md, "FP8 KV cache")
-        La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+        La = self.rows_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
         if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
             need = kv_cache_bytes(batch * La, layers=nl, kv_heads=self.groups, head_dim=self.dim,
@@ -416,7 +416,12 @@ class StaticDecoder:
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
             recipe, col_major = self._input_quant(proj, b, self.heads * self.dim) if self.fuse_attn_quant else (None, False)
-            res = decode_attention(q[0], kc, vc, self.key_ok[rows], idx, self.scale, self.attn_splits,
+            # the views widened to the keys their rows hold (a multiple of 16: the kernel's last tile loads whole
+            # 16-key vectors; past the position they hold zeros, ``prefill``)
+            kc, vc, ok = self._full_rows(kc, 2), self._full_rows(vc, 2), self._full_rows(self.key_ok[rows], 1)
+            if ks is not None:
+                ks, vs = self._full_rows(ks, 2), self._full_rows(vs, 2)
+            res = decode_attention(q[0], kc, vc, ok, idx, self.scale, self.attn_splits,
                                    *self.attn_plan, k_scale=ks, v_scale=vs, quant=recipe, scale_col_major=col_major)
             out, xq = res if recipe is not None else (res, None)
             return out.view(1, b, self.heads * self.dim), xq
@@ -521,6 +526,11 @@ class StaticDecoder:
             self.fp = fp
         self.key_ok.zero_()
         self.key_ok[:, :P] = ~key_pad
+        if self.ks is not None and self.triton_attn and not self.exact:
+            # the decode attention's last tile reads up to 15 keys past the step's position (weighed 0): their V
+            # must be finite whatever an earlier rollout left there. One pass over the V cache per prefill (8B, 64
+            # rows x 8K keys: 17 GB, ~5 ms at 3.5 TB/s, against ~65 s of rollout)
+            self._full_rows(self.v, 3)[:, :, :, P:].zero_()
         self.pads.copy_(key_pad.sum(1))  # left padding: the pads precede the prompt
         self.pos.fill_(0)
         outs = []
@@ -531,6 +541,26 @@ class StaticDecoder:
         self.pos.fill_(P)
         self._host_pos = P
         return torch.cat(outs, 0)
+
+    @property
+    def position(self) -> int:
+        """The next decode step's position (the keys it reads: ``0..position``)."""
+        return self._host_pos
+
+    def seek(self, pos: int) -> None:
+        """Decode the next step at ``pos`` (at most the current position): a benchmark timing the same steps twice.
+        The cache's columns from ``pos`` on are written again by the steps that follow."""
+        if not 0 < pos <= self._host_pos:
+            raise ValueError(f"StaticDecoder.seek: position {pos} outside 1..{self._host_pos}")
+        self.pos.fill_(pos)
+        self._host_pos = pos
+
+    def _full_rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """``t``, a view of the cache with ``L`` keys along ``dim``, widened to the ``rows_len`` keys its rows hold
+        (``CACHE_ALIGN`` keys apart in memory)."""
+        size = list(t.shape)
+        size[dim] = self.rows_len
+        return t.as_strided(size, t.stride(), t.storage_offset())
 
     def _step_eager(self, Lb: int) -> torch.Tensor:
         self.key_ok.index_fill_(1, self.pos, True)
