@@ -184,6 +184,68 @@ def test_kv_fit_recovers_base_and_rate():
     assert kv_fit(noisy)[0]["kv_TBps"] is None
 
 
+def test_step_wall_times_the_rested_steps_over_the_launched_steps_keys(monkeypatch):
+    """``bench rollout --profile`` compares the graph's step as the rollout launches it with the same steps on a rested
+    board: both runs decode from the same position (a step's time depends on its length: over the FP8 cache a sawtooth
+    of period 128 keys), the decoder left where the first run ended. CUDA's events and sleep stand in for the GPU's."""
+    from megatron_jetrl.bench import rollout as bench_rollout
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, **_):
+            self.t = 0.0
+
+        def record(self):
+            Event.clock += 1.0
+            self.t = Event.clock
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda *a: None)
+
+    class Decoder:  # the StaticDecoder's position interface
+        def __init__(self, pos):
+            self.position, self.seen = pos, []
+
+        def seek(self, pos):
+            assert 0 < pos <= self.position
+            self.position = pos
+
+        def step(self, ids):
+            self.seen.append(self.position)
+            self.position += 1
+
+    dec = Decoder(700)
+    out = bench_rollout.step_wall(dec, torch.zeros(4, dtype=torch.long), 8)
+    assert dec.seen == list(range(700, 708)) * 2 and dec.position == 708, dec.seen
+    assert out["gpu_ms"] == 1.0 and out["rested_first_ms"] == out["rested_last_ms"] == 1.0, out
+
+
+def test_static_decoder_seek_moves_the_next_steps_position():
+    """``StaticDecoder.seek`` moves the next step back to an earlier position (host and device copies), and refuses
+    one past the current position or before the first key."""
+    from megatron_jetrl.rollout.decode import StaticDecoder
+
+    dec = StaticDecoder.__new__(StaticDecoder)
+    dec.pos, dec._host_pos = torch.tensor([40]), 40
+    dec.seek(33)
+    assert dec.position == 33 and int(dec.pos) == 33
+    for bad in (34, 0):
+        with pytest.raises(ValueError, match="StaticDecoder.seek: position"):
+            dec.seek(bad)
+
+
 def test_kernel_table_on_cpu():
     """The profiler table the benchmarks print (--profile): per-call times of the ops, most first."""
     import torch

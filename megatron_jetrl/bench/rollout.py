@@ -57,11 +57,14 @@ def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
     time (a loop whose launches take as long as its wall time is bound by the host), and from CUDA events around
     each step the GPU's time per step and the idle time between steps (medians). Then with the launches queued
     behind a GPU sleep: the GPU's time per step with the steps back to back from a rested board, over the first and
-    the last quarter of the steps. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
+    the last quarter of the steps, from the same position (``dec.seek``): a step's time depends on its length (over the
+    FP8 cache a key-major V's last keys run in narrow tiles, a sawtooth of period ``BLOCK_N`` keys), so both runs
+    cover the same keys. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
     "rested_last_ms"}`` (the event times NaN off CUDA; the rested ones also where the host's launches outlast the
     sleep)."""
     cuda = torch.cuda.is_available()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)] if cuda else []
+    start = dec.position
     _sync()
     t0 = time.perf_counter()
     for i in range(steps):
@@ -79,7 +82,8 @@ def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
         return out
     out["gpu_ms"] = statistics.median(a.elapsed_time(b) for a, b in ev)
     out["between_ms"] = statistics.median(ev[i][1].elapsed_time(ev[i + 1][0]) for i in range(steps - 1)) if steps > 1 else 0.0
-    # a rested board: the steps queued behind a GPU sleep longer than their launches take
+    # a rested board: the same steps queued behind a GPU sleep longer than their launches take
+    dec.seek(start)
     rested = step_spans_ms(lambda: dec.step(ids), steps, rest_s=0.05 + 2 * host)
     out["rested_first_ms"], out["rested_last_ms"] = quarter_medians(rested)
     return out
