@@ -713,22 +713,3 @@ assert all(torch.equal(a.grad, c.grad) for a, c in ((qa, qb), (ka, kb), (va, vb)
 print("ok")
 '''
     run_interpreted(code)
-
-
-def test_sustained_probe_runs_every_part_under_the_interpreter():
-    """``tools/sustained_probe.py`` (part ``sustained``: which part of the FP8-cache decode step slows under sustained
-    load) on small shapes: every part runs, rested and sustained step times for each (the times mean nothing here)."""
-    code = r'''
-import sys
-sys.path.insert(0, "tools")
-import sustained_probe
-rows = sustained_probe.main(["--device", "cpu", "--layers", "2", "--batch", "2", "--heads", "4,2", "--dim", "32",
-                             "--pos", "40", "--steps", "4", "--heat", "0", "--heat-steps", "1",
-                             "--gemm-shapes", "256:128,128:128,512:128,128:256", "--vocab", "300"])
-assert [r["part"] for r in rows] == ["write+attn fp8", "write fp8", "attn fp8", "write+attn fp8, V key-major",
-                                     "write+sdpa bf16", "gemms", "step fp8", "step fp8, V key-major", "step bf16",
-                                     "full step fp8", "full step fp8, V key-major", "full step bf16"], rows
-assert all(r["rested_first_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
-print("ok")
-'''
-    run_interpreted(code, cwd=REPO)

@@ -2,11 +2,11 @@
 # GPU checks on one CUDA machine: GPU tests, linear benchmarks, mismatch study, rollout / training / RL-step benchmarks;
 # tables and plots under $OUT (default gpu_out/). megatron-core: installed already, or its wheel in .whl/ (installed
 # into /tmp/site). Usage:
-#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|sustained|attn|decattn|exact|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
+#   bash tools/device_check.sh [tests|linear|decode|tune|rollout|attn|decattn|exact|deepgemm|step|benchtrain|mismatch|train|dualtune ...]   (default: all)
 # GPU_K=expr limits the tests part to pytest -k expr (GPU_TESTS: the test files, TESTS_TIMEOUT its limit); BT_LAYERS, BT_SEQS, BT_STEPS, BT_PROFILE ('' = off), BT_TAG, BT_TIMEOUT
 # set the benchtrain part's slices (BT_ARGS: more bench-train arguments, e.g. --micro-batch 2); TUNE_M/TUNE_STAGES/TUNE_TAG/TUNE_TIMEOUT (TUNE_ARGS: all sweep arguments) the tune part's, RO_BATCH/RO_MODES/
 # RO_TOKENS/RO_PROFILE/RO_TAG/RO_TIMEOUT/RO_ARGS (config overrides)/RO_ATTN (decode attentions, e.g. "sdpa triton") the rollout
-# part's; part sustained times the FP8-cache decode step's parts rested and under sustained load (SP_ARGS, SP_TIMEOUT); part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
+# part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT), part exact times exact mode's kernels against the default ones (EX_ARGS); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
 # (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files. Output filters are line-buffered, and the
@@ -51,10 +51,6 @@ if want rollout; then  # once per decode attention in RO_ATTN (sdpa, triton: one
       --modes ${RO_MODES:-bf16,jet} --new-tokens ${RO_TOKENS:-1024} --prompt-len 128 --profile ${RO_PROFILE:-5} \
       --json $OUT/bench_rollout${tag}.json --plot $OUT/bench_rollout${tag}.png rollout.decode_attention=$at $RO_ARGS 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_rollout${tag}.txt
   done
-fi
-if want sustained; then  # which part of the FP8-cache decode step slows under sustained load (SP_ARGS)
-  timeout ${SP_TIMEOUT:-300} python3 tools/sustained_probe.py ${SP_ARGS} --json $OUT/sustained_probe.json 2>&1 \
-    | grep --line-buffered -v -i warn | tee $OUT/sustained_probe.txt
 fi
 if want deepgemm; then  # DeepGEMM's GEMM alone vs cuBLAS's vs BF16 (DG_ARGS), training and decode shapes
   timeout ${DG_TIMEOUT:-300} python3 tools/deepgemm_bench.py ${DG_ARGS} --json $OUT/deepgemm.json 2>&1 | grep --line-buffered -v "^{" | tee $OUT/deepgemm.txt
