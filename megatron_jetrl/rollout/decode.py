@@ -280,6 +280,7 @@ class StaticDecoder:
         self.gemm_tuning: dict[str, dict] = {}
         self._gemm_tuned = False
         self._host_pos = 0  # the host's copy of ``pos`` (picks the bucket without a sync)
+        self._written = 0  # one past the last cache column a decode step wrote since the last prefill zeroed V
         self.prefill_score_bytes, self.prefill_tokens = prefill_score_bytes, prefill_tokens
 
     def prefill_rows(self, P: int) -> int:
@@ -526,11 +527,13 @@ class StaticDecoder:
             self.fp = fp
         self.key_ok.zero_()
         self.key_ok[:, :P] = ~key_pad
-        if self.ks is not None and self.triton_attn and not self.exact:
+        if self.ks is not None and self.triton_attn and not self.exact and self._written > P:
             # the decode attention's last tile reads up to 15 keys past the step's position (weighed 0): their V
-            # must be finite whatever an earlier rollout left there. One pass over the V cache per prefill (8B, 64
-            # rows x 8K keys: 17 GB, ~5 ms at 3.5 TB/s, against ~65 s of rollout)
-            self._full_rows(self.v, 3)[:, :, :, P:].zero_()
+            # must be finite whatever an earlier rollout left there, so the columns decode steps wrote go back to
+            # zero (the rest never left it). At most one pass over the V cache (8B, 64 rows x 8K keys: 17 GB,
+            # ~5 ms at 3.5 TB/s, against ~65 s of rollout)
+            self.v[:, :, :, P:self._written].zero_()
+        self._written = P
         self.pads.copy_(key_pad.sum(1))  # left padding: the pads precede the prompt
         self.pos.fill_(0)
         outs = []
@@ -581,6 +584,7 @@ class StaticDecoder:
             out = self.graph_outputs[Lb]
         self.pos.add_(1)
         self._host_pos += 1
+        self._written = max(self._written, self._host_pos)
         return out
 
     def _tune_gemms(self) -> None:
