@@ -1,7 +1,7 @@
 """The Triton kernels under Triton's CPU interpreter (subprocesses with TRITON_INTERPRET=1), kernel
 against its torch statement: small-M GEMM, fused SwiGLU quantizer, SwiGLU backward, transposes, the dual
 gradient quantizer, RoPE (decode and training), RMSNorm, the fused add + RMSNorm + quantizer."""
-from tests.common import REPO, run_interpreted
+from tests.common import run_interpreted
 
 def test_small_m_triton_gemm_under_the_interpreter():
     """The fused small-M kernel (CUDA in production) run by Triton's CPU interpreter: the activation

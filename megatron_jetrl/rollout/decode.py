@@ -280,7 +280,7 @@ class StaticDecoder:
         self.gemm_tuning: dict[str, dict] = {}
         self._gemm_tuned = False
         self._host_pos = 0  # the host's copy of ``pos`` (picks the bucket without a sync)
-        self._written = 0  # one past the last cache column a decode step wrote since the last prefill zeroed V
+        self._written = 0  # one past the last cache column written (a prompt or a decode step) since V was zeroed
         self.prefill_score_bytes, self.prefill_tokens = prefill_score_bytes, prefill_tokens
 
     def prefill_rows(self, P: int) -> int:
