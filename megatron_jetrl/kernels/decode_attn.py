@@ -29,19 +29,19 @@ cache) and padded the 4 query heads of an 8B group to the MMA's 16 rows; compile
 tools/kernel_sass.py decode-attn``) its loop issued 39.5 warp-instructions per key at 255 registers (2 programs per
 SM). The key-major kernel computes S^T = K q^T and O^T += V^T P^T: K's and V^T's tiles are the MMAs' first operands,
 the query heads are the narrow side (8); a split's keys run in whole tiles, its last keys masked (below). Over a V
-stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 ->
-fp16 conversion per pair) its loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV
-byte what the BF16 kernel issues (0.059 vs 0.062); over a V ``[L, d]`` 24.7 at 203 registers (2 programs
-per SM), and on the H100 as fast: there the kernel waits on memory (64 rows x 2,048 keys, 32 layers: write +
-attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cache write is one contiguous row per step and KV head, made the
-whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the H200, with 1.45x the H100's
-bandwidth for the same SMs, the key-major V's fewer instructions win: its rollout ran 2% faster at 4K and 5% at 8K
-new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_layout``; docs/benchmarks.md, "FP8
-KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K and V tiles converted to
-fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32 score and the value's
-scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the softmax weight; powers of
-two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32 and the result equals
-the same kernel over the dequantized cache bit for bit.
+stored key-major (``[d, L]`` memory: V^T's tiles contiguous along the keys, one E4M3 -> fp16 conversion per pair) its
+loop issues 15.5 warp-instructions per key at 127 registers (4 programs per SM), per KV byte what the BF16 kernel
+issues (0.059 vs 0.062); over a V ``[L, d]`` 27.4 at 239 registers (2 programs per SM; its one loop's masked loads:
+24.7 at 203 with unmasked whole tiles), and on the H100 as fast: there the kernel waits on memory (64 rows x 2,048
+keys, 32 layers: write + attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cache write is one contiguous row per
+step and KV head, made the whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the
+H200, with 1.45x the H100's bandwidth for the same SMs, the key-major V's fewer instructions win: its rollout ran 2%
+faster at 4K and 5% at 8K new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_layout``;
+docs/benchmarks.md, "FP8 KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K
+and V tiles converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32
+score and the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the
+softmax weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32
+and the result equals the same kernel over the dequantized cache bit for bit.
 With one key split the key-major kernel can also write the output projection's FP8 input (``quant``): the E4M3
 bytes and 1 x head_dim scales the activation quantizer would compute from the BF16 output, one launch fewer per
 layer.
@@ -146,9 +146,9 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     with V ``[L, d]`` one pipelined loop covers the split, its last tile masked. Measured on the rollout's graph
     (H100, 8B, 64 rows; docs/benchmarks.md, "FP8 KV cache"): each unpipelined tail tile costs a memory latency (2.7 us
     per layer over V ``[L, d]``, a sawtooth of period ``BLOCK_N`` keys in the step's time), which the one loop
-    removes (3.5% of the step at 660-916 keys, 1.5% at 4,116-4,372) where over a key-major V its masked loads slowed
+    removes (3.7% of the step at 660-916 keys, 1.6% at 4,116-4,372) where over a key-major V its masked loads slowed
     the whole loop (up to 5% at 4K keys); a key-major V's tail tiles loaded byte by byte until their mask was
-    16-key-granular (2.6-5.2% of the step)."""
+    16-key-granular (2.7-5.3% of the step)."""
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
                                                      SPLIT)
     if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
