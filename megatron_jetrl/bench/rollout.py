@@ -57,9 +57,9 @@ def step_wall(dec, ids: torch.Tensor, steps: int) -> dict:
     time (a loop whose launches take as long as its wall time is bound by the host), and from CUDA events around
     each step the GPU's time per step and the idle time between steps (medians). Then with the launches queued
     behind a GPU sleep: the GPU's time per step with the steps back to back from a rested board, over the first and
-    the last quarter of the steps, from the same position (``dec.seek``): a step's time depends on its length (over the
-    FP8 cache a key-major V's last keys run in narrow tiles, a sawtooth of period ``BLOCK_N`` keys), so both runs
-    cover the same keys. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
+    the last quarter of the steps, from the same position (``dec.seek``): a step's time depends on its length (the
+    FP8 cache's decode attention ran its last keys in latency-bound tiles, a sawtooth of period ``BLOCK_N`` keys),
+    so both runs cover the same keys. Returns ``{"step_ms", "host_ms", "gpu_ms", "between_ms", "rested_first_ms",
     "rested_last_ms"}`` (the event times NaN off CUDA; the rested ones also where the host's launches outlast the
     sleep)."""
     cuda = torch.cuda.is_available()
