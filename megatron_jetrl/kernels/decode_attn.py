@@ -319,7 +319,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    key_major = fp8 or (v_cache.stride(2) == 1 and L > 1)
+    v_keys = v_cache.stride(2) == 1 and L > 1  # V key-major ([d, L] memory)
+    key_major = fp8 or v_keys
     if (H % G or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != D
             or key_ok.shape != (b, L) or q.stride(-1) != 1 or k_cache.stride(-1) != 1
             or 1 not in (v_cache.stride(-1), v_cache.stride(-2))):
@@ -360,7 +361,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
             xb, xs, xb.stride(0), xs.stride(0), xs.stride(1), inv_max, fmax, eps,
             HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n),
-            V_KEYS=v_cache.stride(2) == 1 and L > 1, LOAD16=L % 16 == 0, KV_FP8=fp8,
+            V_KEYS=v_keys, LOAD16=L % 16 == 0, KV_FP8=fp8,
             F16=fp8 and q.dtype != torch.float32, QUANT=xq is not None,
             UE8M0=xq is not None and quant.scale_fmt == "ue8m0", **common)
     else:
