@@ -97,7 +97,7 @@ def _fitted_rollout(cfg, batch, prompt_len, new_tokens, bandwidth, profile=0, la
         raise ConfigError("rollout: the KV cache does not fit")
     base, rate = (5.4, 4.6) if label == "bf16" else (4.1, 4.5)
     step = base + kv / rate
-    return {"mode": label, "batch": batch, "new_tokens": new_tokens, "tokens_per_s": batch * 1e3 / step,
+    return {"mode": label, "device": "NVIDIA H200", "batch": batch, "new_tokens": new_tokens, "tokens_per_s": batch * 1e3 / step,
             "decode_step_ms": step, "kv_GB_read_per_step_mean": kv}
 
 
@@ -151,6 +151,7 @@ def test_bench_rollout_merges_runs_and_plots(tmp_path, monkeypatch, capsys):
     assert br.vs_bf16(rows, rows[1]) == (pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]), False)
     out = capsys.readouterr().out
     assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out and "rollout.png" in out
+    assert "# NVIDIA H200: 6 rows of short.json, long.json" in out  # the plot's title
     assert os.path.getsize(tmp_path / "rollout.png") > 10_000
     assert json.load(open(merged))[4]["decode_step_ms_fitted"] == pytest.approx(bf16["decode_step_ms_fitted"])
     before = open(long).read()

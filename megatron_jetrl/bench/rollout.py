@@ -376,7 +376,8 @@ def main(argv=None) -> list[dict]:
             rows = merge_rows(runs)
         except ConfigError as e:
             ap.error(str(e))
-        header = f"# {len(rows)} rows of {', '.join(args.from_json)}"
+        device = next((r["device"] for r in rows if "device" in r), "unknown device")
+        header = f"# {device}: {len(rows)} rows of {', '.join(os.path.basename(f) for f in args.from_json)}"
         return report(rows, header, args.json, args.plot)
     rows = []
     for new_tokens in map(int, args.new_tokens.split(",")):
