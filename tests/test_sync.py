@@ -157,6 +157,39 @@ def test_bench_sync_and_mismatch_cli_numbers(tmp_path, megatron_single):
     assert mm["bf16"]["mismatch_abs_mean"] < 1e-5
 
 
+def test_mismatch_kv_agreement_per_layer(monkeypatch, capsys, megatron_single):
+    """``jetrl mismatch --kv``: per layer, the share of K / V elements where the trainer's attention inputs differ
+    from the rollout's cache. Unified FP8 KV (V key-major, micro-batches of 4 rows): the first layer's keys and
+    values are the cache's exactly (same input bytes; a misplaced row or position would differ), later layers within
+    a few elements; the off-policy baseline (BF16 training over an FP8 rollout cache) differs almost everywhere. One
+    element changed in the cache after the rollout is counted as one, at its layer."""
+    from megatron_jetrl.bench import mismatch
+
+    args = ["--kv", "--prompts", "8", "--prompt-len", "6", "rollout.max_new_tokens=8", "algo.micro_batch_size=4",
+            "rollout.fp8_kv_v_layout=key_major"]
+    rows = {r["mode"]: r for r in mismatch.main([*args, "--modes", "jet+fp8kv,fp8_rollout+fp8kv"])}
+    unified, offp = rows["jet+fp8kv"]["kv_layers"], rows["fp8_rollout+fp8kv"]["kv_layers"]
+    assert len(unified) == len(offp) == 2
+    assert unified[0]["k_differ"] == unified[0]["v_differ"] == 0 == unified[0]["k_max_abs"]
+    assert all(x["k_differ"] < 1e-3 and x["v_differ"] < 1e-3 for x in unified)
+    assert all(x["k_differ"] > 0.9 and x["v_differ"] > 0.9 for x in offp)
+    out = capsys.readouterr().out
+    assert "| layer | jet+fp8kv: K / V elements differing (largest difference) |" in out and "| 0 | 0.00% / 0.00%" in out
+
+    init = mismatch.KVAgreement.__init__
+
+    def changed(self, model, decoder, recipe, positions):  # one key element and one value element of the cache
+        init(self, model, decoder, recipe, positions)
+        decoder.k[0, 5, 1, 3, 7] += 1.0
+        decoder.v[0, 2, 0, positions - 1, 0] -= 0.5
+
+    monkeypatch.setattr(mismatch.KVAgreement, "__init__", changed)
+    (row,) = mismatch.main([*args, "--modes", "jet"])
+    first, n = row["kv_layers"][0], 8 * (6 + 8 - 1) * 2 * 64  # rows x positions x KV groups x head_dim (tiny)
+    assert (first["k_differ"], first["v_differ"]) == (1 / n, 1 / n)
+    assert first["k_max_abs"] == pytest.approx(1.0, rel=0.01) and first["v_max_abs"] == pytest.approx(0.5, rel=0.01)
+
+
 def test_mismatch_rolls_out_with_the_runs_rollout_settings(monkeypatch, megatron_single):
     """``jetrl mismatch`` builds its engine from the run's ``rollout.*`` settings (the decode attention, the FP8
     cache's V layout, the bucket), as training does, instead of the engine's defaults."""

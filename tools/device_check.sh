@@ -9,7 +9,8 @@
 # part's; part attn times the SDPA backends (training shapes), part decattn the decode attentions (DA_ARGS); part deepgemm times DeepGEMM's GEMM (DG_ARGS; needs .dg), part
 # dualtune sweeps the one-pass gradient quantizer (DUAL_ARGS, DUAL_TIMEOUT), part exact times exact mode's kernels against the default ones (EX_ARGS); STEP_STEPS/STEP_TIMEOUT set the step part's
 # measured steps (medians over more steps narrow its ~1% run-to-run spread), STEP_ARGS adds config overrides
-# (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files. Output filters are line-buffered, and the
+# (e.g. algo.recompute_logprobs=false), STEP_TAG suffixes its files; MM_ARGS replaces the mismatch part's arguments
+# (e.g. --kv: where the two sides' K/V part, per layer), MM_TAG suffixes its files, MM_TIMEOUT its limit. Output filters are line-buffered, and the
 # rollout, step and small-M sweep benchmarks write their JSON after every row: a part cut off by a time limit keeps
 # what it measured.
 set -o pipefail
@@ -74,8 +75,8 @@ if want benchtrain; then  # one training phase bf16 vs jet, with the kernels of 
     --steps ${BT_STEPS:-2} ${BT_PROFILE---profile} $BT_ARGS --json $OUT/bench_train${BT_TAG}.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/bench_train${BT_TAG}.txt
 fi
 if want mismatch; then
-  timeout 300 python3 -m megatron_jetrl.cli mismatch --preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64 \
-    --json $OUT/mismatch_${CARD}.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/mismatch_${CARD}.txt
+  timeout ${MM_TIMEOUT:-300} python3 -m megatron_jetrl.cli mismatch ${MM_ARGS:---preset qwen2.5-0.5b-random --prompts 64 --prompt-len 64} \
+    --json $OUT/mismatch_${CARD}${MM_TAG}.json 2>&1 | grep --line-buffered -v -i warn | tee $OUT/mismatch_${CARD}${MM_TAG}.txt
 fi
 if want train; then
   timeout 300 python3 -m megatron_jetrl.cli train --preset tiny --run-dir /tmp/gputiny steps=40 \

@@ -53,6 +53,12 @@ class LocalEngine:
         self._decoder = None
         self.last_stats: dict = {}
 
+    @property
+    def decoder(self):
+        """The static decoder kept from the last rollout (``keep_cache``), whose KV cache still holds that rollout's
+        keys and values; None without one."""
+        return self._decoder
+
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
