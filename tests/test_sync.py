@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from megatron_jetrl.errors import ConfigError
 from megatron_jetrl.models.hf_io import HFCheckpoint
 from megatron_jetrl.precision.quant import quantize_weight
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -188,6 +189,8 @@ def test_mismatch_kv_agreement_per_layer(monkeypatch, capsys, megatron_single):
     first, n = row["kv_layers"][0], 8 * (6 + 8 - 1) * 2 * 64  # rows x positions x KV groups x head_dim (tiny)
     assert (first["k_differ"], first["v_differ"]) == (1 / n, 1 / n)
     assert first["k_max_abs"] == pytest.approx(1.0, rel=0.01) and first["v_max_abs"] == pytest.approx(0.5, rel=0.01)
+    with pytest.raises(ConfigError, match="rollout.decode=static"):  # exact mode on the CPU decodes without a cache
+        mismatch.main([*args, "--modes", "jet+exact"])
 
 
 def test_mismatch_rolls_out_with_the_runs_rollout_settings(monkeypatch, megatron_single):

@@ -83,6 +83,7 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | No
     """One mode (cfg.precision.mode) on random prompts (random weights unless model.hf_path); ``kv``: also the
     per-layer K/V agreement (``kv_layers``, :class:`KVAgreement`)."""
     from megatron_jetrl.distributed import init_distributed
+    from megatron_jetrl.errors import ConfigError
     from megatron_jetrl.models.builder import DTYPES, build_model, exact_length
     from megatron_jetrl.models.hf_io import load_hf_weights
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -99,6 +100,9 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | No
     dev = next(model.parameters()).device
     # the run's rollout.* settings; with ``kv`` the decoder (and its cache) kept for the comparison
     engine = LocalEngine.from_config(model, state, cfg, pad_id=0, seed=seed, keep_cache=True if kv else None)
+    if kv and not engine.static_decoding:
+        raise ConfigError("jetrl mismatch --kv: compares the static decoder's KV cache; set rollout.decode=static (in "
+                          "exact mode: on CUDA)")
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, cfg.model.vocab_size, (n_prompts, prompt_len), generator=g).tolist()
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature or 1.0, 1.0, 0, ())
@@ -109,9 +113,7 @@ def measure(cfg, n_prompts: int, prompt_len: int, seed: int = 0, label: str | No
     seq_len = exact_length(model, batch.tokens.shape[1] - 1) if exact else None
     agree = None
     if kv:
-        if cfg.rollout.decode != "static" or len({len(x.output_ids) for x in gens}) != 1:
-            raise ValueError("jetrl mismatch --kv: needs rollout.decode=static and responses of one length "
-                             "(no stop ids)")
+        # no stop ids: every response max_new_tokens long, cache column j = position j in every row
         agree = KVAgreement(model, engine.decoder, state.recipe, batch.tokens.shape[1] - 1)
     try:
         train_lp = train_logprobs(model, batch, params.temperature, cfg.algo.micro_batch_size, seq_len, exact)
