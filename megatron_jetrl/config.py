@@ -371,7 +371,7 @@ class RolloutConfig:
     byte per feature row), or ``auto``: ``key_major`` on GPUs with at least 30 GB/s of memory bandwidth per SM
     (H200: 37; its 8B rollout at batch 64 ran 2% faster at 4K and 5% at 8K new tokens with ``key_major``), ``rows``
     below that and where the bandwidth is unknown (H100 SXM: 25; 3.5% faster at 4K with ``rows``). Exact mode always
-    stores V key-major (its attention, the trainer's too, reads that layout). docs/benchmarks.md, "FP8 KV cache"."""
+    stores V key-major (its attention, the trainer's too, reads that layout). docs/decode_attention.md."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then

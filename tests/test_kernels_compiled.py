@@ -54,7 +54,7 @@ def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
     masked, so all are): 10% more instructions than the unmasked loop over whole tiles that preceded it (1.52x), and
     with Triton 3.9 at 255 registers 43 local-memory spill instructions per iteration (26 loads, 17 stores; bounded
     here at 48); timed with Triton 3.6 the one loop made the H100's decode step 1.5-3.5% faster than whole tiles and
-    unpipelined tail tiles (docs/benchmarks.md, "FP8 KV cache"). V's bytes come out of shared memory one at a time
+    unpipelined tail tiles (docs/decode_attention.md). V's bytes come out of shared memory one at a time
     there (``LDS.U8``: the P.V operand is contiguous along d, not along the keys it sums over), and yet the kernel is
     as fast as over a key-major V on the H100 (it waits on memory). Over a key-major V (the H200 decoder's and exact
     mode's layout; its loop over whole tiles unmasked) it issues at most 1.4x (0.95x / 1.31x), reads no cache byte on

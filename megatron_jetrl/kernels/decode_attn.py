@@ -37,7 +37,7 @@ keys, 32 layers: write + attention 3.43 vs 3.57 ms), and V ``[L, d]``, whose cac
 step and KV head, made the whole rollout 3.5% faster than a key-major V's write (one byte per feature row). On the
 H200, with 1.45x the H100's bandwidth for the same SMs, the key-major V's fewer instructions win: its rollout ran 2%
 faster at 4K and 5% at 8K new tokens. The decoder picks by the GPU's bandwidth per SM (``rollout.fp8_kv_v_layout``;
-docs/benchmarks.md, "FP8 KV cache"); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K
+docs/decode_attention.md); exact mode's kernel (``kernels/exact_attn.py``) reads V key-major. Numerics: K
 and V tiles converted to fp16 (exact) for fp16 tensor cores (q converted once), the key's scale multiplying its fp32
 score and the value's scale (times 2^8, kept in fp16's normal range and divided out at the end) multiplying the
 softmax weight; powers of two, so the scales change no rounding. With an fp32 q (CPU, tests) the tiles convert to fp32
@@ -144,7 +144,7 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     decoder's cache past the step's position holds zeros, ``StaticDecoder.prefill``). With V key-major (``V_KEYS``)
     the loop over the whole tiles is unmasked and the split's last keys follow in unpipelined ``TAIL_N``-key tiles;
     with V ``[L, d]`` one pipelined loop covers the split, its last tile masked. Measured on the rollout's graph
-    (H100, 8B, 64 rows; docs/benchmarks.md, "FP8 KV cache"): each unpipelined tail tile costs a memory latency (2.7 us
+    (H100, 8B, 64 rows; docs/decode_attention.md): each unpipelined tail tile costs a memory latency (2.7 us
     per layer over V ``[L, d]``, a sawtooth of period ``BLOCK_N`` keys in the step's time), which the one loop
     removes (3.7% of the step at 660-916 keys, 1.6% at 4,116-4,372) where over a key-major V its masked loads slowed
     the whole loop (up to 5% at 4K keys); a key-major V's tail tiles loaded byte by byte until their mask was
@@ -152,7 +152,7 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
                                                      SPLIT)
     if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
-        # head-major kernel ran 7-20% slower on the H200 (docs/benchmarks.md, "FP8 KV cache"). q is exact in fp16
+        # head-major kernel ran 7-20% slower on the H200 (docs/decode_attention.md). q is exact in fp16
         # above 2^-14
         q = q.to(tl.float16)
     qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]

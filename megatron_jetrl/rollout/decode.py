@@ -223,7 +223,7 @@ class StaticDecoder:
             # (keys per tile, pipeline stages, warps); the FP8 cache (the key-major kernel): twice the keys per tile,
             # two stages, 127 registers (4 programs per SM; tools/kernel_sass.py). Its key splits are the BF16
             # kernel's (one where rows x groups fill the GPU): one split ran 2-8% faster than two at 64 and 256
-            # rows x 1K-8K keys on the H100 (docs/benchmarks.md, "FP8 KV cache")
+            # rows x 1K-8K keys on the H100 (docs/decode_attention.md)
             self.attn_plan = (64, 2, 4)
             if self.kv_recipe is not None:
                 self.attn_plan = (128, 2, 4)
@@ -231,7 +231,7 @@ class StaticDecoder:
         kv_dtype = self.dtype if self.kv_recipe is None else self.kv_recipe.dtype
         # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V's feature row, a row of
         # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
-        # (H100, a key-major V of 64 x 2,280 keys: docs/benchmarks.md, "FP8 KV cache")
+        # (H100, a key-major V of 64 x 2,280 keys: docs/decode_attention.md)
         La = self.rows_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
         if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
@@ -250,7 +250,7 @@ class StaticDecoder:
         # V is stored [L, d] (a step writes each KV head's value as one contiguous row) or key-major ([d, L] memory, a
         # [L, d] view: the attention's P.V tiles contiguous along the keys, a step's write one byte per feature row):
         # rollout.fp8_kv_v_layout, by default by the GPU's bandwidth per SM (the 4K x 64 rollout: H100 7.93 ms per step
-        # with [L, d] vs 8.21 key-major; H200 6.42 vs 6.30, 8K 8.86 vs 8.39; docs/benchmarks.md, "FP8 KV cache").
+        # with [L, d] vs 8.21 key-major; H200 6.42 vs 6.30, 8K 8.86 vs 8.39; docs/decode_attention.md).
         # Exact mode's FP8 cache is key-major: its attention (kernels/exact_attn.py, the trainer's too) reads it so
         self.v_key_major = self.kv_recipe is not None and (self.exact or fp8_v_layout(v_layout, dev) == "key_major")
         if self.kv_recipe is not None and not self.exact:
