@@ -146,7 +146,7 @@ def test_rope_and_fp8_cache_kernel_equals_the_rule(S, b, H, G, D, rot, dtype):
     vq, vsc = quantize_kv(v.permute(1, 2, 0, 3), recipe)
     kc = torch.zeros(b, G, L, D, dtype=torch.float8_e4m3fn, device="cuda")
     vc = torch.zeros_like(kc)
-    ks, vs = (torch.zeros(b, G, L, dtype=torch.uint8, device="cuda") for _ in range(2))  # E8M0 scale bytes
+    ks, vs = torch.zeros(b, G, L, device="cuda"), torch.zeros(b, G, L, device="cuda")
     q_in = q.clone()
     rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx, ks, vs, recipe)
     assert same_bytes(q_in, rope_torch(q, cos, sin).contiguous())
@@ -474,7 +474,7 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
     vc = torch.zeros_like(kc)
     ks = vs = None
     if fp8:
-        ks, vs = (torch.full((b, G, L), 127, dtype=torch.uint8, device="cuda") for _ in range(2))  # scales 1.0
+        ks, vs = torch.ones(b, G, L, device="cuda"), torch.ones(b, G, L, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     last = slice(b - 2, b)
     kr = torch.randn(2, G, pos, D, device="cuda", generator=g)

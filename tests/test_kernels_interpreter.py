@@ -322,15 +322,15 @@ from megatron_jetrl.kernels.decode_attn import decode_attention
 from megatron_jetrl.kernels.rope import rope_and_cache, rope_tables, rope_torch
 from megatron_jetrl.kernels.triton_quant import kv_qdq_triton
 from megatron_jetrl.kernels.triton_quant import quantize_act_triton
-from megatron_jetrl.precision.quant import dequantize_kv, e8m0_from_scale, kv_rule, quantize_act, quantize_kv, scale_from_e8m0
+from megatron_jetrl.precision.quant import dequantize_kv, kv_rule, quantize_act, quantize_kv
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.rollout.decode import StaticDecoder
 recipe = FP8Recipe(kv_cache="fp8")
 g = torch.Generator().manual_seed(0)
-def kernel_bytes(x):  # [..., D] -> the 1 x D quantizer kernel's E4M3 bytes with ue8m0 scales (and their E8M0 bytes)
+def kernel_bytes(x):  # [..., D] -> the 1 x D quantizer kernel's E4M3 bytes with ue8m0 scales (and the scales)
     D = x.shape[-1]
     q, sc = quantize_act_triton(x.reshape(-1, D), FP8Recipe(scale_fmt="ue8m0", group_size=D, weight_block=(D, D)))
-    return q.view(torch.uint8).view(x.shape), e8m0_from_scale(sc).view(x.shape[:-1])
+    return q.view(torch.uint8).view(x.shape), sc.view(x.shape[:-1])
 for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     hpg = H // G
     qkv = torch.randn(S, b, G, (hpg + 2) * D, generator=g) * 3
@@ -356,7 +356,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     assert torch.equal(ks2, ksc) and torch.equal(vs2, vsc)
     kc = torch.zeros(b, G, L, D, dtype=torch.float8_e4m3fn)
     vc = torch.zeros_like(kc)
-    ks, vs = torch.full((b, G, L), 7, dtype=torch.uint8), torch.full((b, G, L), 7, dtype=torch.uint8)
+    ks, vs = torch.full((b, G, L), 7.0), torch.full((b, G, L), 7.0)
     q_in = q.clone()
     rope_and_cache(q_in, k, v, cos, sin, kc, vc, idx, ks, vs, recipe)
     assert torch.equal(q_in, rope_torch(q, cos, sin))
@@ -364,7 +364,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     cols[idx] = True
     assert torch.equal(kc[:, :, idx].view(torch.uint8), kq) and torch.equal(ks[:, :, idx], ksc)
     assert torch.equal(vc[:, :, idx].view(torch.uint8), vq) and torch.equal(vs[:, :, idx], vsc)
-    assert not kc[:, :, ~cols].float().any() and bool((ks[:, :, ~cols] == 7).all())
+    assert not kc[:, :, ~cols].float().any() and bool((ks[:, :, ~cols] == 7.0).all())
     vck = torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)  # V key-major, exact mode's FP8 cache
     rope_and_cache(q.clone(), k, v, cos, sin, torch.zeros_like(kc), vck, idx, ks.clone(), vs.clone(), recipe)
     assert torch.equal(vck.view(torch.uint8), vc.view(torch.uint8))
@@ -381,7 +381,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
     StaticDecoder._write_kv(None, kct, vct, None, None, k_ref, v, idx, sh)
     assert torch.equal(kcs, kct) and torch.equal(vcs, vct)
     k8, v8 = torch.zeros_like(kc), torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2)
-    ks8, vs8 = torch.zeros(b, G, L, dtype=torch.uint8), torch.zeros(b, G, L, dtype=torch.uint8)
+    ks8, vs8 = torch.zeros(b, G, L), torch.zeros(b, G, L)
     rope_and_cache(q.clone(), k, v, cos, sin, k8, v8, idx, ks8, vs8, recipe, shift=sh)
     for r in range(b):
         c = idx - sh[r]
@@ -407,7 +407,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
         res = []
         for (pq, pk, pv), pp in zip(views, ((splits, part.stride(0)), None)):
             caches = (torch.zeros_like(kc), torch.zeros(b, G, D, L, dtype=torch.float8_e4m3fn).transpose(-1, -2),
-                      torch.zeros(b, G, L, dtype=torch.uint8), torch.zeros(b, G, L, dtype=torch.uint8))
+                      torch.zeros(b, G, L), torch.zeros(b, G, L))
             qr = rope_and_cache(pq, pk, pv, cos.to(dt), sin.to(dt), *caches[:2], idx, *caches[2:], recipe,
                                 partials=pp, dtype=dt)
             res.append((qr, *caches))
@@ -418,7 +418,7 @@ for S, b, H, G, D, rot in ((1, 3, 4, 2, 16, 16), (5, 2, 4, 4, 32, 8)):
                    for x, y in zip(res[0][1:], res[1][1:]))
     kv = qkv[..., hpg * D:hpg * D + D]  # a strided view, as the fused QKV split returns
     kb, kbs = kernel_bytes(kv)
-    assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * scale_from_e8m0(kbs)[..., None])
+    assert torch.equal(kv_qdq_triton(kv, kv_rule(recipe)), kb.view(torch.float8_e4m3fn).float() * kbs[..., None])
     q8, s8, y8 = kv_qdq_triton(kv, kv_rule(recipe), with_bytes=True)  # the same pass, with the bytes and scales
     assert torch.equal(q8.view(torch.uint8), kb) and torch.equal(s8, kbs) and torch.equal(y8, kv_qdq_triton(kv, kv_rule(recipe)))
 for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 69, 3), (2, 4, 1, 32, 20, 0, 2)):

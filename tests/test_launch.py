@@ -64,14 +64,14 @@ def test_plan_8b_on_one_node():
 
 
 def test_plan_serve_fp8_kv_cache_halves_the_kv_pool():
-    """``jetrl serve`` with the FP8 KV cache: a token's K and V at 1 B per element plus a scale byte per KV head
+    """``jetrl serve`` with the FP8 KV cache: a token's K and V at 1 B per element plus an fp32 scale per KV head
     each (the decoder's allocation, checked in test_rl.py), so 64 sequences of 8K fit one 80 GB GPU's 0.7 budget
     that the BF16 cache's pool overflows."""
     cluster = Cluster(1, 8, 80, ["n0"])
     base = ("rollout.engine=serve", "precision.mode=jet")
     plan = make_plan(_cfg("llama3.1-8b-jet", *base, "precision.kv_cache=fp8"), cluster, seq_len=8192, concurrency=64)
-    assert plan.server_mem.kv_pool == 64 * 8192 * 2 * 32 * 8 * (128 + 1)
-    assert plan.server_mem.kv_pool / GB == pytest.approx(34.63, abs=0.01) and plan.server_mem.fits
+    assert plan.server_mem.kv_pool == 64 * 8192 * 2 * 32 * 8 * (128 + 4)
+    assert plan.server_mem.kv_pool / GB == pytest.approx(35.43, abs=0.01) and plan.server_mem.fits
     with pytest.raises(PlanError, match="does not fit"):
         make_plan(_cfg("llama3.1-8b-jet", *base), cluster, seq_len=8192, concurrency=64)  # 68.7 GB of BF16 KV
 

@@ -703,14 +703,14 @@ print("ok")
 
 def test_decoder_refuses_a_kv_cache_the_gpu_cannot_hold():
     """The static decoder's KV cache (``recipe.kv_cache_bytes``: an 8B model's BF16 cache of 256 x 4,224 positions is
-    the 142 GB no card here holds, the FP8 cache 129/256 of it) checked against the GPU's free memory before it is
+    the 142 GB no card here holds, the FP8 cache 132/256 of it) checked against the GPU's free memory before it is
     allocated: one line naming the knobs, the FP8 cache among them only where it is not already on."""
     from megatron_jetrl.precision.recipe import kv_cache_bytes
     from megatron_jetrl.rollout.decode import cache_fit_problem
 
     bf16 = kv_cache_bytes(256 * 4224, layers=32, kv_heads=8, head_dim=128, fp8=False)
     fp8 = kv_cache_bytes(256 * 4224, layers=32, kv_heads=8, head_dim=128, fp8=True)
-    assert bf16 / 1e9 == pytest.approx(141.7, abs=0.05) and fp8 * 256 == bf16 * 129
+    assert bf16 / 1e9 == pytest.approx(141.7, abs=0.05) and fp8 * 256 == bf16 * 132
     msg = cache_fit_problem(bf16, 139e9, 256, 4224, fp8=False)
     assert msg.startswith("config error: rollout decode: a KV cache of 256 rows x 4224 positions needs 141.7 GB, "
                           "139.0 GB free") and "rollout.prompts_per_step" in msg and "precision.kv_cache=fp8" in msg
@@ -841,7 +841,7 @@ for attention in ("sdpa", "triton"):
     assert dec.L % 64 and dec.key_ok.shape[1] == dec.ks.shape[-1] == dec.v.shape[-2] == dec.L, dec.L
     assert dec.key_ok.stride(0) % 64 == dec.ks.stride(-2) % 64 == dec.k.stride(-3) % (64 * dec.dim) == 0
     assert dec.v.stride(-3) % (64 * dec.dim) == 0, dec.v.stride()
-    # the launch planner's FP8 KV bytes per token are the decoder's: E4M3 K and V and their E8M0 scale bytes
+    # the launch planner's FP8 KV bytes per token are the decoder's: E4M3 K and V and their fp32 scales
     per_token = sum(t.untyped_storage().nbytes() for t in (dec.k, dec.v, dec.ks, dec.vs)) / (dec.B * dec.key_ok.stride(0))
     assert per_token == server_memory(cfg.model, 1, fp8=True, concurrency=1, context_len=1, mem_fraction=1.0,
                                       gpu_mem=1.0, kv_fp8=True).kv_per_token, per_token

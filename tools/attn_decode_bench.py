@@ -111,7 +111,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - report which variants this build refuses
                     print(f"B={B} keys={n} {name:40s} failed: {str(e).splitlines()[0][:120]}")
                     continue
-                kv = 2 * B * G * keys * d * ((1 + 1 / d) if fp8 else 2)  # FP8: a byte per value, one per scale (E8M0)
+                kv = 2 * B * G * keys * d * ((1 + 4 / d) if fp8 else 2)  # FP8: a byte per value, 4 per scale
                 row = {"batch": B, "keys": n, "variant": name, "us": ms * 1e3, "kv_tb_s": kv / ms / 1e9,
                        "max_abs_diff": err}
                 rows.append(row)

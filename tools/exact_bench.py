@@ -134,7 +134,7 @@ def main() -> None:
     ok = torch.ones(B, L, dtype=torch.bool, device=dev)
     pos = torch.tensor([n - 1], device=dev)
     qpos = torch.full((B,), n - 1, device=dev)
-    nbytes = 2 * B * G * n * (D + 1)  # E4M3 bytes and an E8M0 scale byte
+    nbytes = 2 * B * G * n * (D + 4)
     add("attn_decode_fp8kv", f"{B}x{n}", "triton key-major", time_graph_ms(lambda: decode_attention(
         q[0], kq, vq, ok, pos, D ** -0.5, default_splits(B, G, L, dev), 128, 2, 4, ks, vs)), None, nbytes)
     for p in plans[:1] + [(64, 4, 1, 16), (64, 4, 3, 16), (128, 4, 2, 16)]:

@@ -66,9 +66,9 @@ def _compile_by_name(kernel, types: dict, consts: dict, **options):
 
 def _attn_types(kv: str) -> dict:
     """The pointer and float arguments the attention kernels share: BF16 q and output, the cache in ``kv``'s dtype,
-    the FP8 cache's E8M0 scale bytes."""
+    fp32 FP8 scales."""
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
-    return {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*u8", "vs_ptr": "*u8",
+    return {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "qk_scale": "fp32"}
 
 

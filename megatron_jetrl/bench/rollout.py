@@ -240,7 +240,7 @@ def plot(rows: list[dict], path: str, title: str) -> str:
 
 def kv_read_gb(cfg, batch: int, prompt_len: int, steps: int) -> float:
     """GB of K and V a decode step reads on average over a rollout of ``steps`` new tokens (its mean length: prompt
-    + steps / 2), in the cache's format (``recipe.kv_cache_bytes``: E4M3 + a scale byte per token and KV head, or the
+    + steps / 2), in the cache's format (``recipe.kv_cache_bytes``: E4M3 + a scale per token and KV head, or the
     parameters' dtype)."""
     from megatron_jetrl.precision.recipe import FP8Recipe, kv_cache_bytes
 

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.triton_quant import e8m0_scale, scale_and_multiplier
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 LOG2E = math.log2(math.e)
@@ -192,8 +192,8 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
                IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
     """One key tile of the key-major kernel: keys ``start..start+BLOCK_N`` (``MASKED``: those below ``hi`` weighed,
     their K and V bytes loaded below ``hl >= hi``, the rest read as 0) -> the online softmax's updated (max, sum, O^T).
-    Scores in base 2 (``qk_scale`` holds log2(e)); an FP8 key's power-of-two scale (read from its E8M0 byte)
-    multiplies its fp32 score and a value's scale (times P_F16 on fp16) its softmax weight, exactly."""
+    Scores in base 2 (``qk_scale`` holds log2(e)); an FP8 key's power-of-two scale multiplies its fp32 score and a
+    value's scale (times P_F16 on fp16) its softmax weight, exactly."""
     keys = start + tl.arange(0, BLOCK_N)
     dd = tl.arange(0, BLOCK_D)
     k_ptrs = k_row + keys[:, None] * sk_l + dd[None, :]
@@ -205,8 +205,8 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
         kt = tl.load(k_ptrs, mask=kl[:, None] & (dd < D)[None, :], other=0.0)
         vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & kl[None, :], other=0.0)
         if KV_FP8:
-            kscale = e8m0_scale(tl.load(ks_row + keys, mask=km, other=127)) * qk_scale
-            vscale = e8m0_scale(tl.load(vs_row + keys, mask=km, other=0))
+            kscale = tl.load(ks_row + keys, mask=km, other=1.0) * qk_scale
+            vscale = tl.load(vs_row + keys, mask=km, other=0.0)
     else:
         ok = tl.load(ok_row + keys) != 0
         if D == BLOCK_D:
@@ -216,8 +216,8 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
             kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
             vt = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0)
         if KV_FP8:
-            kscale = e8m0_scale(tl.load(ks_row + keys)) * qk_scale
-            vscale = e8m0_scale(tl.load(vs_row + keys))
+            kscale = tl.load(ks_row + keys) * qk_scale
+            vscale = tl.load(vs_row + keys)
     kt = kt.to(qt.dtype)  # E4M3 -> fp16/fp32: exact
     if IEEE:
         st = tl.dot(kt, qt, input_precision="ieee", out_dtype=tl.float32)
@@ -304,18 +304,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_stages: int = 2, num_warps: int = 4, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, quant: FP8Recipe | None = None,
                      scale_col_major: bool = False):
-    """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against ``k_cache``/``v_cache [b,
-    groups, L, d]`` (views of the decoder's cache; K with a unit last stride, V with a unit last stride or key-major, a
-    transposed view of ``[b, groups, d, L]`` memory) over keys ``0..pos[0]`` where ``key_ok [b, L]`` is true; returns
-    ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element device tensor (read by the kernel: no host sync, one CUDA
-    graph for every length). An FP8 cache (float8_e4m3fn K/V with ``k_scale``/``v_scale [b, groups, L]`` uint8, the
-    power-of-two scales' E8M0 bytes, unit last stride, ``FP8Recipe.kv_cache``) is read as its bytes; the attention is
-    over their dequantized values. An FP8 cache or a key-major V runs the key-major kernel, a BF16 cache with V [L, d]
-    the head-major one. ``quant`` (a recipe): returns ``(out, xq)``, ``xq`` the output's activation quantization for the
-    FP8 output projection, ``(q [b, heads*d] E4M3, scale_inv [b, heads] fp32)``, the bytes and scales
-    ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major, or column-major as cuBLAS's scaled_mm
-    reads them with ``scale_col_major``), written by the same kernel; None where the kernel cannot (several key splits,
-    the head-major kernel, d other than the recipe's group)."""
+    """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
+    ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache; K with a unit last stride, V with a unit
+    last stride or key-major, a transposed view of ``[b, groups, d, L]`` memory) over keys ``0..pos[0]`` where
+    ``key_ok [b, L]`` is true; returns ``[b, heads, d]`` in q's dtype. ``pos`` is a one-element device tensor (read
+    by the kernel: no host sync, one CUDA graph for every length). An FP8 cache (float8_e4m3fn K/V with
+    ``k_scale``/``v_scale [b, groups, L]`` fp32 power-of-two scales, unit last stride, ``FP8Recipe.kv_cache``) is
+    read as its bytes; the attention is over their dequantized values. An FP8 cache or a key-major V runs the
+    key-major kernel, a BF16 cache with V [L, d] the head-major one. ``quant`` (a recipe): returns ``(out, xq)``,
+    ``xq`` the output's activation quantization for the FP8 output projection, ``(q [b, heads*d] E4M3, scale_inv [b,
+    heads] fp32)``, the bytes and scales ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major,
+    or column-major as cuBLAS's scaled_mm reads them with ``scale_col_major``), written by the same kernel; None where
+    the kernel cannot (several key splits, the head-major kernel, d other than the recipe's group)."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -328,9 +328,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"k/v {tuple(k_cache.shape)} {tuple(k_cache.stride())} {tuple(v_cache.stride())}, "
                          f"key_ok {tuple(key_ok.shape)}")
     if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride() != v_scale.stride()
-                or k_scale.stride(-1) != 1 or k_scale.dtype != torch.uint8 or v_scale.dtype != torch.uint8):
-        raise ValueError("decode_attention: an FP8 KV cache needs k_scale/v_scale [b, groups, L] uint8 (E8M0 bytes) "
-                         "with equal strides and a unit last one")
+                or k_scale.stride(-1) != 1):
+        raise ValueError("decode_attention: an FP8 KV cache needs k_scale/v_scale [b, groups, L] with equal strides "
+                         "and a unit last one")
     out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
     if b == 0:
         return out if quant is None else (out, None)

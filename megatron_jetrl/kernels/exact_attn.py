@@ -24,7 +24,7 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   the trainer's 32-row tiles give a row the same bits is a property of the tensor-core instruction both compile to,
   measured on the H200 (tools/exact_bench.py, tests/test_gpu_exact.py); 64 rows compile to another one (wgmma) and
   change the bits;
-- an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales (E8M0 bytes): the bytes
+- an FP8 KV cache (``precision.kv_cache=fp8``) is read as its E4M3 bytes and power-of-two scales: the bytes
   converted to fp16 (exact; one instruction per pair) for fp16 tensor cores with q converted once (exact above
   2^-14), a key's scale (times ``scale * log2(e)``) multiplying its fp32 score and a value's scale (times ``P_F16``,
   divided out at the end: fp16's normal range) its softmax weight before the weight's rounding, as the key-major
@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from megatron_jetrl.kernels.decode_attn import P_F16
-from megatron_jetrl.kernels.triton_quant import e8m0_scale
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -95,7 +94,7 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
         if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
             kt = kt.to(q.dtype)
             vt = vt.to(q.dtype)
-            kscale = e8m0_scale(tl.load(ks_ptr + s_row + kk, mask=km, other=127)) * qk_scale
+            kscale = tl.load(ks_ptr + s_row + kk, mask=km, other=1.0) * qk_scale
         if IEEE:
             sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -111,7 +110,7 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:  # the value's scale (times P_F16 on fp16, inside its normal range) on its weight
-            p = p * (e8m0_scale(tl.load(vs_ptr + s_row + kk, mask=km, other=0)) * (P_F16 if F16 else 1.0))[None, :]
+            p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
         if IEEE:
             pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -142,13 +141,13 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0[r] + i``) over keys
     ``k``/``v`` given as ``[b, groups, L, d]`` views indexed by position (key ``j`` of a row in column ``j``: the
-    trainer's sequences, and the exact decoder's cache, which writes each row's tokens from its own position 0), query
-    ``i`` of row ``r`` reading keys ``0 .. q0[r] + i`` (a negative position: none, output 0); returns ``[S, b, heads *
-    d]`` (or writes ``out``, that shape). ``q0`` [b] is an int64 device tensor (read by the kernel: one CUDA graph for
-    every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale`` ``[b, groups, L]`` uint8 (the scales' E8M0 bytes,
-    unit last stride) are read as bytes and scales. q and k with a unit last stride; v with a unit stride in either of
-    its last two dimensions (the FP8 cache keeps V key-major, ``[d, L]`` memory: the P.V product's operand tiles are
-    then contiguous along the keys it sums over). ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of
+    trainer's sequences, and the exact decoder's cache, which writes each row's tokens from its own position 0),
+    query ``i`` of row ``r`` reading keys ``0 .. q0[r] + i`` (a negative position: none, output 0); returns
+    ``[S, b, heads * d]`` (or writes ``out``, that shape). ``q0`` [b] is an int64 device tensor (read by the kernel:
+    one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale`` ``[b, groups, L]`` (unit last
+    stride) are read as bytes and scales. q and k with a unit last stride; v with a unit stride in either of its
+    last two dimensions (the FP8 cache keeps V key-major, ``[d, L]`` memory: the P.V product's operand tiles are then
+    contiguous along the keys it sums over). ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of
     the decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``)."""
     S, b, H, D = q.shape
     G, L = k.shape[1], k.shape[2]
@@ -158,9 +157,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         raise ValueError(f"exact_attention: unsupported shapes/strides q {tuple(q.shape)} {tuple(q.stride())}, "
                          f"k {tuple(k.shape)} {tuple(k.stride())}, v {tuple(v.stride())}, q0 {tuple(q0.shape)}")
     if fp8 and (k_scale is None or v_scale is None or k_scale.shape != (b, G, L) or k_scale.stride(-1) != 1
-                or v_scale.stride() != k_scale.stride() or k_scale.dtype != torch.uint8 or v_scale.dtype != torch.uint8):
-        raise ValueError("exact_attention: FP8 K/V need k_scale/v_scale [b, groups, L] uint8 (E8M0 bytes) with equal "
-                         "strides, unit last")
+                or v_scale.stride() != k_scale.stride()):
+        raise ValueError("exact_attention: FP8 K/V need k_scale/v_scale [b, groups, L] with equal strides, unit last")
     if out is None:
         out = torch.empty((S, b, H * D), dtype=q.dtype, device=q.device)
     if S == 0 or b == 0:
@@ -193,7 +191,7 @@ def key_major(x: torch.Tensor) -> torch.Tensor:
 class ExactAttention(torch.autograd.Function):
     """The training forward's attention in exact mode: ``q [s, b, heads, d]``, ``k``/``v`` ``[s, b, groups, d]``
     (after RoPE) -> ``[s, b, heads * d]`` from :func:`exact_attention` (keys from position 0, causal). With the
-    FP8 KV cache, ``kv8 = (k_bytes, k_scale, v_bytes, v_scale)`` (``[b, groups, s, d]`` E4M3 and ``[b, groups, s]`` E8M0,
+    FP8 KV cache, ``kv8 = (k_bytes, k_scale, v_bytes, v_scale)`` (``[b, groups, s, d]`` E4M3 and ``[b, groups, s]``,
     the bytes the decoder's cache write stores) is what the forward reads, through the same kernel binary as the
     decoder's, and ``k``/``v`` are their dequantized values (the caller's straight-through rounding). The backward
     recomputes the attention of ``q, k, v`` with SDPA and differentiates that: only the forward's bits must match

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.triton_quant import e8m0_byte, scale_and_multiplier
+from megatron_jetrl.kernels.triton_quant import scale_and_multiplier
 from megatron_jetrl.precision.recipe import FP8Recipe
 
 
@@ -78,14 +78,14 @@ def _rope_row(ptr, cos_ptr, sin_ptr, s, d, ROT: tl.constexpr, HALF: tl.constexpr
 @triton.jit
 def _store_kv(dst_ptr, scale_ptr, row, d, D: tl.constexpr, inv_max, fmax, eps, KV_FP8: tl.constexpr, sd, n):
     """Store one K or V head row into the cache (its elements ``sd`` apart: 1, or the cache length for a key-major
-    V; ``n``: D, or 0 to write nothing): as it is, or (``KV_FP8``) as E4M3 bytes with its power-of-two scale's E8M0
-    byte (the recipe's KV rule, ``quant.quantize_kv``: amax over the row, ue8m0, the cast to nearest even)."""
+    V; ``n``: D, or 0 to write nothing): as it is, or (``KV_FP8``) as E4M3 bytes with its power-of-two scale (the
+    recipe's KV rule, ``quant.quantize_kv``: amax over the row, ue8m0, the cast to nearest even)."""
     if KV_FP8:
         x = row.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(tl.where(d < D, x, 0.0)), axis=0), eps)
         scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, True)
         tl.store(dst_ptr + d * sd, tl.clamp(x * mult, -fmax, fmax).to(tl.float8e4nv), mask=d < n)
-        tl.store(scale_ptr, e8m0_byte(scale_inv), mask=n > 0)
+        tl.store(scale_ptr, scale_inv, mask=n > 0)
     else:
         tl.store(dst_ptr + d * sd, row, mask=d < n)
 
@@ -136,8 +136,8 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     Any strides with a unit last dimension (the views megatron's ``get_query_key_value_tensors`` returns); the K cache
     with a unit last stride, the V cache with one or key-major (a ``[b, G, L, d]`` view of ``[b, G, d, L]`` memory,
     the decoder's FP8 cache for the key-major decode attention). An FP8 cache (``k_cache``/``v_cache`` float8_e4m3fn,
-    ``k_scale``/``v_scale`` ``[b, G, L]`` uint8 with a unit last stride and equal strides, ``recipe``) gets
-    ``quant.quantize_kv``'s bytes and E8M0 scale bytes of the RoPE'd k and of v. ``shift`` (int64 ``[b]``): row ``r``'s token at
+    ``k_scale``/``v_scale`` ``[b, G, L]`` fp32 with a unit last stride and equal strides, ``recipe``) gets
+    ``quant.quantize_kv``'s bytes and scales of the RoPE'd k and of v. ``shift`` (int64 ``[b]``): row ``r``'s token at
     column ``idx[s]`` goes to cache column ``idx[s] - shift[r]`` (the row's own position: exact mode's cache, indexed
     by position; a negative column, a left pad, is not written)."""
     S, b, H, D = q.shape
@@ -148,10 +148,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         raise ValueError(f"rope_and_cache: unsupported layout (rot {rot}, head dim {D}, strides "
                          f"{[tuple(x.stride()) for x in (q, k, v, k_cache, v_cache)]})")
     if fp8 and (k_scale is None or v_scale is None or recipe is None or k_scale.stride() != v_scale.stride()
-                or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:-1]
-                or k_scale.dtype != torch.uint8 or v_scale.dtype != torch.uint8):
-        raise ValueError("rope_and_cache: an FP8 KV cache needs k_scale/v_scale [b, G, L] uint8 (E8M0 bytes; equal "
-                         "strides, unit last) and the recipe")
+                or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:-1]):
+        raise ValueError("rope_and_cache: an FP8 KV cache needs k_scale/v_scale [b, G, L] (equal strides, unit last) "
+                         "and the recipe")
     if shift is not None and shift.shape != (b,):
         raise ValueError(f"rope_and_cache: shift {tuple(shift.shape)} for {b} rows")
     splits, sp = partials or (1, 0)

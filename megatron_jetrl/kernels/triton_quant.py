@@ -35,18 +35,6 @@ def scale_and_multiplier(amax, inv_max, fmax, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def e8m0_byte(scale_inv):
-    """A power-of-two fp32 scale -> its E8M0 byte (uint8): the biased exponent (``quant.e8m0_from_scale``)."""
-    return (scale_inv.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)
-
-
-@triton.jit
-def e8m0_scale(e):
-    """E8M0 bytes -> fp32 scales ``2^(e - 127)`` (``quant.scale_from_e8m0``): one shift, no rounding."""
-    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def quantize_store_groups(x, rows, cols, mask, g, q_ptr, s_ptr, M, stride_qm, stride_sm, stride_sg, inv_max, fmax,
                            eps, UE8M0: tl.constexpr):
     """Quantize the fp32 tile ``x`` [rows, one G-wide group g] with one scale per row; store the
@@ -477,7 +465,7 @@ def transpose_bytes_triton(x: torch.Tensor) -> torch.Tensor:
 def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max, fmax, eps, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BYTES: tl.constexpr, WIDE: tl.constexpr):
     # BLOCK_M rows (a token's KV head each) of D values: amax, the ue8m0 scale, the E4M3 cast and back, in one pass
-    # (BYTES: the E4M3 bytes [M, D] and E8M0 scale bytes [M] stored too; WIDE: 64-bit element offsets, wide_offsets)
+    # (BYTES: the E4M3 bytes [M, D] and scales [M] stored too; WIDE: 64-bit element offsets, wide_offsets)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if WIDE:
         rows = rows.to(tl.int64)
@@ -491,7 +479,7 @@ def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max,
         # fp32 (the order of the statements below) wrote wrong values for two of every four columns on the H100
         # (Triton 3.6, CUDA 13), while the bytes and scales were right
         tl.store(q_ptr + rows[:, None] * D + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
-        tl.store(s_ptr + rows, e8m0_byte(scale_inv), mask=rows < M)
+        tl.store(s_ptr + rows, scale_inv, mask=rows < M)
     y = q.to(tl.float32) * scale_inv[:, None]  # exact: an E4M3 value times a power of two
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -499,8 +487,8 @@ def _kv_qdq_kernel(x_ptr, y_ptr, q_ptr, s_ptr, M, stride_xm, stride_ym, inv_max,
 def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
     """``quant.kv_qdq`` on CUDA: ``x [..., d]`` (any strides with a unit last one) -> a new contiguous tensor of
     ``x``'s shape and dtype; ``recipe`` is the KV rule (``quant.kv_rule``: ue8m0 scales). ``with_bytes``: returns
-    ``(q [..., d] e4m3, e [...] uint8, values)`` from the same pass (``quant.quantize_kv``'s bytes and E8M0 scale
-    bytes)."""
+    ``(q [..., d] e4m3, scale_inv [...] fp32, values)`` from the same pass (``quant.quantize_kv``'s bytes and
+    scales)."""
     if recipe.scale_fmt != "ue8m0":
         raise ValueError("kv_qdq_triton: the FP8 KV cache's scales are powers of two (pass quant.kv_rule(recipe))")
     D = x.shape[-1]
@@ -510,7 +498,7 @@ def kv_qdq_triton(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
     q = s = y  # unused (BYTES off)
     if with_bytes:
         q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty(M, dtype=torch.uint8, device=x.device)
+        s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block_m = 8
         qb = q.view(torch.uint8) if with_bytes else q  # the kernel stores the bytes' bit pattern

@@ -22,8 +22,8 @@ micro-batches in flight, the last the output layer; with PP=1 one stage holds bo
 SGLang, per GPU of one server with ``server_tp`` GPUs: FP8 (or BF16) weights / server_tp, and a KV
 pool of ``concurrency x context_len`` tokens at 2 (K, V) x layers x kv_heads/server_tp x head_dim x 2 B;
 SGLang's ``mem_fraction_static`` must hold both. With the FP8 KV cache (``precision.kv_cache=fp8``, ``jetrl
-serve`` only) a token's K and V take 1 B per element and one scale byte per KV head each (the recipe's KV rule):
-2 x layers x kv_heads x (head_dim + 1) B.
+serve`` only) a token's K and V take 1 B per element and one fp32 scale per KV head each (the recipe's KV rule):
+2 x layers x kv_heads x (head_dim + 4) B.
 
 Colocated peak = max(training, rollout, the weight push: the trainer resident + the servers'
 weights, their KV pool still released).
@@ -160,7 +160,7 @@ class ServerMemory:
 def server_memory(m, server_tp: int, *, fp8: bool, concurrency: int, context_len: int, mem_fraction: float,
                   gpu_mem: float, kv_fp8: bool = False) -> ServerMemory:
     """One rollout server's memory per GPU: ``fp8`` FP8 linear weights, ``kv_fp8`` the FP8 KV cache (E4M3 K/V and
-    a scale byte per token and KV head for each)."""
+    an fp32 scale per token and KV head for each)."""
     pc = param_counts(m)
     weights = (pc.linear_total * (1 + 4 / (128 * 128) if fp8 else 2)
                + 2 * (pc.embed + pc.lm_head + pc.final_norm + pc.layers * pc.layer_other)) / server_tp

@@ -227,36 +227,24 @@ def kv_rule(recipe: FP8Recipe) -> FP8Recipe:
     return dataclasses.replace(recipe, scale_fmt=KV_SCALE_FMT)
 
 
-def e8m0_from_scale(scale_inv: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 scales ``[...]`` -> their E8M0 bytes ``[...]`` uint8: the biased exponent, float32's bits
-    23-30 (exact for every normal power of two, 2^-126..2^127; the KV rule's scales are at least eps / 448)."""
-    return (scale_inv.float().view(torch.int32) >> 23).to(torch.uint8)
-
-
-def scale_from_e8m0(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes ``[...]`` uint8 -> fp32 scales ``2^(e - 127)`` (byte 0 reads as 0.0, 255 as inf)."""
-    return (e.to(torch.int32) << 23).view(torch.float32)
-
-
 def quantize_kv(x: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys (after RoPE) or values ``[..., head_dim]`` -> ``(q [..., head_dim] e4m3, e [...] uint8)``: one group per
-    token and KV head (the whole last dimension), the ue8m0 rule: ``scale_inv = 2^ceil(log2(amax/448))``,
-    ``q = e4m3(x / scale_inv)``; ``x`` is read as float32 (exact from BF16). The scale is returned as the FP8 KV
-    cache stores it, its E8M0 byte (``e8m0_from_scale``)."""
+    """Keys (after RoPE) or values ``[..., head_dim]`` -> ``(q [..., head_dim] e4m3, scale_inv [...] fp32)``: one
+    group per token and KV head (the whole last dimension), the ue8m0 rule: ``scale_inv = 2^ceil(log2(amax/448))``,
+    ``q = e4m3(x * 2^-e)``; ``x`` is read as float32 (exact from BF16)."""
     q, s = quantize_blocks(x.reshape(-1, x.shape[-1]), 1, x.shape[-1], kv_rule(recipe))
-    return q.view(x.shape), e8m0_from_scale(s).view(x.shape[:-1])
+    return q.view(x.shape), s.view(x.shape[:-1])
 
 
-def dequantize_kv(q: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q [..., d] * 2^(e - 127)`` (``e [...]`` the E8M0 scale bytes) in ``dtype``: exact in float32 and in BF16
-    (an E4M3 value times a power of two; no rounding happens)."""
-    return (q.float() * scale_from_e8m0(e)[..., None]).to(dtype)
+def dequantize_kv(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [..., d] * scale_inv [...]`` in ``dtype``: exact in float32 and in BF16 (an E4M3 value times a power of
+    two; no rounding happens)."""
+    return (q.float() * scale_inv[..., None]).to(dtype)
 
 
 def kv_qdq(x: torch.Tensor, recipe: FP8Recipe, use_triton: bool | None = None, with_bytes: bool = False):
     """``dequantize_kv(*quantize_kv(x))`` in ``x``'s dtype: the keys or values both sides of the unified FP8 KV
     cache attend over. On CUDA one Triton pass (``kernels/triton_quant.kv_qdq_triton``, the same values).
-    ``with_bytes``: ``(q, e, values)``, :func:`quantize_kv`'s bytes and scale bytes with the values (one pass)."""
+    ``with_bytes``: ``(q, scale_inv, values)``, :func:`quantize_kv`'s bytes and scales with the values (one pass)."""
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
@@ -288,6 +276,6 @@ class _KVFakeQuant(torch.autograd.Function):
 
 def kv_fake_quant(x: torch.Tensor, recipe: FP8Recipe, with_bytes: bool = False):
     """The training forward's keys/values with the FP8 KV cache: :func:`kv_qdq`, straight-through in backward.
-    ``with_bytes``: ``(values, q, e)``, the cache's bytes and E8M0 scale bytes of ``x`` too (exact mode's attention
+    ``with_bytes``: ``(values, q, scale_inv)``, the cache's bytes and scales of ``x`` too (exact mode's attention
     kernel reads them; the values are their dequantization, for the backward)."""
     return _KVFakeQuant.apply(x, recipe, with_bytes)

@@ -17,16 +17,15 @@ BF16_MODULES = ("embedding", "output_layer", "input_layernorm", "pre_mlp_layerno
                 "q_layernorm", "k_layernorm", "final_layernorm", "core_attention", "router")
 # HF names that stay unquantized in an FP8 checkpoint (quantization_config.modules_to_not_convert).
 HF_MODULES_NOT_CONVERTED = ("lm_head", "embed_tokens", "norm", "mlp.gate")
-# The FP8 KV cache's scales are powers of two (``FP8Recipe.kv_cache``), stored as one byte each: the power's biased
-# exponent ``e``, ``scale_inv = 2^(e - 127)`` (E8M0, float32's exponent field; ``quant.quantize_kv``).
+# The FP8 KV cache's scales are powers of two (``FP8Recipe.kv_cache``).
 KV_SCALE_FMT = "ue8m0"
 
 
 def kv_cache_bytes(positions: int, *, layers: int, kv_heads: int, head_dim: int, fp8: bool, elem_bytes: int = 2) -> int:
     """Bytes of K and V for ``positions`` tokens (rows x positions) over ``layers`` layers of ``kv_heads`` heads: the
-    FP8 cache (``FP8Recipe.kv_cache``) holds per token and KV head ``head_dim`` E4M3 bytes and one scale byte
-    (``KV_SCALE_FMT``), for K and for V; a BF16 cache ``head_dim x elem_bytes`` per head."""
-    per_head = head_dim + 1 if fp8 else head_dim * elem_bytes
+    FP8 cache (``FP8Recipe.kv_cache``) holds per token and KV head ``head_dim`` E4M3 bytes and one fp32 scale, for K
+    and for V; a BF16 cache ``head_dim x elem_bytes`` per head."""
+    per_head = head_dim + 4 if fp8 else head_dim * elem_bytes
     return 2 * positions * layers * kv_heads * per_head
 
 
@@ -55,8 +54,8 @@ class FP8Recipe:
     kv_cache: Literal["bf16", "fp8"] = "bf16"
     """Attention keys and values (see ``PrecisionConfig.kv_cache``). ``fp8``: K (after RoPE) and V are quantized
     to E4M3 per token and KV head, one group of ``head_dim`` values, with a power-of-two scale (the ue8m0 rule
-    above, whatever ``scale_fmt`` says: ``KV_SCALE_FMT``). The rollout stores those bytes and scales (one exponent
-    byte each) in its KV cache; the trainer's attention reads their dequantized values, ``e4m3 * 2^e``, which BF16 holds exactly
+    above, whatever ``scale_fmt`` says: ``KV_SCALE_FMT``). The rollout stores those bytes and scales in its KV
+    cache; the trainer's attention reads their dequantized values, ``e4m3 * 2^e``, which BF16 holds exactly
     (3 mantissa bits in 7). A power of two also makes folding the scales into the attention exact: a kernel that
     multiplies ``q . k8`` by the key's scale, and the softmax weights by the value's, computes with the very
     values the trainer's attention sees."""

@@ -9,7 +9,7 @@ its own KV cache with static shapes:
 
 - one KV cache for all layers, ``[layers, B, groups, L, dim]``, written in place at the step's
   position (a device tensor, no host sync); with ``precision.kv_cache=fp8`` E4M3 bytes plus one power-of-two
-  scale per token and KV head (``[layers, B, groups, L]``, its E8M0 byte), the recipe's KV rule, which the trainer's attention
+  scale per token and KV head (``[layers, B, groups, L]``), the recipe's KV rule, which the trainer's attention
   applies to its own K/V (``models/spec.py: SDPAttention``);
 - the attention reads keys ``[:Lb]`` for a length bucket ``Lb`` (a multiple of ``bucket``, widened for
   long contexts so that there are at most ``max_graphs`` buckets: ``wide_bucket``): one CUDA graph per
@@ -259,12 +259,11 @@ class StaticDecoder:
             self.v = aligned((nl, batch, self.groups, self.dim), (), kv_dtype).transpose(3, 4)
         else:
             self.v = aligned((nl, batch, self.groups), (self.dim,), kv_dtype)
-        # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] E8M0 bytes: the power of two's
-        # biased exponent, quant.quantize_kv); None with a BF16 cache
+        # the FP8 cache's scales, one per token and KV head ([layers, B, groups, L] fp32); None with a BF16 cache
         self.ks = self.vs = None
         if self.kv_recipe is not None:
-            self.ks = aligned((nl, batch, self.groups), (), torch.uint8)
-            self.vs = aligned((nl, batch, self.groups), (), torch.uint8)
+            self.ks = aligned((nl, batch, self.groups), (), torch.float32)
+            self.vs = aligned((nl, batch, self.groups), (), torch.float32)
         self.key_ok = aligned((batch,), (), torch.bool)
         self.pads = torch.zeros(batch, dtype=torch.long, device=dev)  # each row's left pads (its RoPE offset)
         with torch.no_grad():
