@@ -372,6 +372,13 @@ class RolloutConfig:
     (H200: 37; its 8B rollout at batch 64 ran 2% faster at 4K and 5% at 8K new tokens with ``key_major``), ``rows``
     below that and where the bandwidth is unknown (H100 SXM: 25; 3.5% faster at 4K with ``rows``). Exact mode always
     stores V key-major (its attention, the trainer's too, reads that layout). docs/decode_attention.md."""
+    decode_rows: int = 0
+    """In-process engine (``local``, and each ``jetrl serve`` worker): the most rows (prompts x samples) decoded at
+    once; a larger batch decodes in waves of at most this many rows, balanced (512 rows at 200: 3 waves of 176,
+    multiples of 8). 0: all at once where their KV cache fits the GPU's free memory, else waves of the most rows
+    that fit, with a log line (a long rollout then need not shrink ``prompts_per_step``; the FP8 cache,
+    ``precision.kv_cache=fp8``, holds twice the rows per wave). Row-seeded sampling (the fleet's per-prompt
+    seeds) draws the same tokens whatever the waves."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then
@@ -382,6 +389,8 @@ class RolloutConfig:
         _positive(self, "rollout", "decode_bucket", "n_samples_per_prompt", "prompts_per_step", "max_new_tokens", "num_servers",
                   "server_tp", "bucket_mb", "chunk_size", "request_timeout_s", "health_timeout_s")
         _check(0 < self.mem_fraction < 1, "rollout.mem_fraction", f"{self.mem_fraction} not in (0, 1)", "use e.g. 0.8")
+        _check(self.decode_rows >= 0, "rollout.decode_rows", f"must be >= 0, got {self.decode_rows}",
+               "use 0 (as many as fit) or a row count")
         _check(self.decode_max_graphs >= 0, "rollout.decode_max_graphs", f"must be >= 0, got {self.decode_max_graphs}",
                "use e.g. 32 (0: no limit)")
         for a in self.server_addresses:

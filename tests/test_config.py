@@ -49,6 +49,7 @@ def test_every_preset_loads(preset):
     (["rollout.server_addresses=[localhost:3000]"], r"rollout.server_addresses: 'localhost:3000' is not a URL; write http://host:port"),
     (["rollout.mem_fraction=1.5"], r"rollout.mem_fraction: 1.5 not in \(0, 1\)"),
     (["rollout.decode_max_graphs=-1"], r"rollout.decode_max_graphs: must be >= 0, got -1"),
+    (["rollout.decode_rows=-8"], r"rollout.decode_rows: must be >= 0, got -8"),
     (["precision.kv_cache=fp8", "precision.mode=bf16"], r"precision.kv_cache: fp8 is an FP8 precision flow, mode is bf16; "
                                                         r"set precision.mode=jet"),
     (["precision.kv_cache=fp8", "rollout.engine=sglang"], r"precision.kv_cache: SGLang 0.5.23's FP8 KV cache keeps one "

@@ -572,7 +572,8 @@ def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.server_tp=2", "model.num_key_value_heads=4",
                              "rollout.mem_fraction=0.6",
-                             "rollout.deterministic=true", "rollout.admin_api_key=s3cret", "seed=7"])
+                             "rollout.deterministic=true", "rollout.admin_api_key=s3cret", "seed=7",
+                             "rollout.decode_rows=96"])
     for mode, colocated in (("jet", True), ("bf16", False)):
         argv = sglang_server_argv(cfg, FP8Recipe(mode=mode), fp8_dir, 31234, base_gpu_id=4, colocated=colocated)
         parser = argparse.ArgumentParser()
@@ -583,10 +584,37 @@ def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
         assert sa.quantization == ("fp8" if mode == "jet" else None) and sa.dtype == "bfloat16"
         assert sa.enable_memory_saver is colocated and sa.enable_deterministic_inference is True
         assert sa.skip_tokenizer_init and sa.random_seed == 7 and sa.admin_api_key == "s3cret"
-        assert sa.host == "127.0.0.1" and sa.weight_version == "0"
+        assert sa.host == "127.0.0.1" and sa.weight_version == "0" and sa.max_running_requests == 96
+    cfg.rollout.decode_rows = 0  # as many as fit: SGLang's own default
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(sglang_server_argv(cfg, FP8Recipe(mode="jet"), fp8_dir, 31234)).max_running_requests is None
     # the launch directory's config.json carries the recipe's block quantization_config
     with open(os.path.join(fp8_dir, "config.json")) as f:
         assert json.load(f)["quantization_config"] == FP8Recipe(mode="jet").hf_quantization_config()
+
+
+def test_serve_launch_args_parse_with_jetrl_serve_parser():
+    """A ``jetrl serve`` fleet's worker arguments, parsed by ``jetrl serve``'s own parser: the FP8 KV cache, exact
+    mode and ``rollout.decode_rows`` (SGLang's ``--max-running-requests``) reach the worker; a bound under one row is
+    refused in one line before the model loads."""
+    import argparse
+
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.rollout.server import add_serve_args, serve
+    from megatron_jetrl.rollout.sglang import serve_argv
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    cfg = load_config(None, ["rollout.engine=serve", "precision.kv_cache=fp8", "precision.exact=true",
+                             "rollout.decode_rows=48", "seed=3"])
+    args = parser.parse_args(serve_argv(cfg, "/ckpt", 31000, index=2))
+    assert (args.model_path, args.port, args.seed, args.kv_cache_dtype, args.exact) == ("/ckpt", 31000, 5, "fp8_e4m3", True)
+    assert args.max_running_requests == 48
+    cfg = load_config(None, ["rollout.engine=serve"])
+    assert parser.parse_args(serve_argv(cfg, "/ckpt", 31000, index=0)).max_running_requests is None
+    with pytest.raises(SystemExit, match="^jetrl serve: --max-running-requests 0: give at least 1 row$"):
+        serve(parser.parse_args(["--model-path", "/ckpt", "--max-running-requests", "0"]))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -713,9 +713,90 @@ def test_decoder_refuses_a_kv_cache_the_gpu_cannot_hold():
     assert bf16 / 1e9 == pytest.approx(141.7, abs=0.05) and fp8 * 256 == bf16 * 132
     msg = cache_fit_problem(bf16, 139e9, 256, 4224, fp8=False)
     assert msg.startswith("config error: rollout decode: a KV cache of 256 rows x 4224 positions needs 141.7 GB, "
-                          "139.0 GB free") and "rollout.prompts_per_step" in msg and "precision.kv_cache=fp8" in msg
+                          "139.0 GB free") and "rollout.decode_rows" in msg and "precision.kv_cache=fp8" in msg
     assert "\n" not in msg and "kv_cache" not in cache_fit_problem(fp8, 60e9, 256, 4224, fp8=True)
     assert cache_fit_problem(fp8, 139e9, 256, 4224, fp8=True) is None and cache_fit_problem(bf16, bf16, 1, 1, False) is None
+    one = cache_fit_problem(bf16 // 256, 0.5e9, 1, 4224, fp8=False)  # not one row: fewer rows is no fix
+    assert "decode_rows" not in one and "rollout.max_new_tokens" in one and "precision.kv_cache=fp8" in one
+
+
+def test_wave_rows_splits_a_batch_into_balanced_waves_within_its_bound():
+    """``wave_rows``: a batch within ``rollout.decode_rows`` and the rows whose KV cache fits decodes at once; a
+    larger one in the fewest waves the bound allows, as even as the decoder's 8-row rounding lets them be."""
+    from megatron_jetrl.rollout.local import ROW_MULTIPLE, wave_rows
+
+    assert wave_rows(512) == wave_rows(512, 0, 515) == wave_rows(512, 512) == 512
+    assert wave_rows(512, 200) == 176  # 176, 176, 160
+    assert wave_rows(300, 100) == 80  # bound taken down to 96: 4 waves
+    assert wave_rows(20, 8) == 8 and wave_rows(13, 0, 14) == 8  # 13 rows make a 16-row decoder: 14 do not hold it
+    assert wave_rows(5, 0, 3) == 3 and wave_rows(5, 2) == 2  # bounds under 8 rows kept as they are
+    for rows in range(1, 300, 7):
+        for limit, fit in ((0, 9), (8, None), (64, 40), (100, None), (0, 137), (33, 1000), (0, 5)):
+            size = wave_rows(rows, limit, fit)
+            cap = min(b for b in (limit or None, fit) if b is not None)
+            cap8 = cap - cap % ROW_MULTIPLE if cap >= ROW_MULTIPLE else cap
+            waves = -(-rows // size)
+            if size == rows:
+                assert waves == 1 and (rows <= cap8 or rows <= cap and (fit is None or -(-rows // 8) * 8 <= fit)
+                                       or cap < ROW_MULTIPLE and rows <= cap)
+            else:
+                assert size <= cap8 and waves == -(-rows // cap8), (rows, limit, fit, size)
+                assert size % ROW_MULTIPLE == 0 or cap < ROW_MULTIPLE, (rows, limit, fit, size)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decoder_cache_bytes_are_its_allocation(kv, tmp_path, megatron_single):
+    """``decode.cache_bytes`` (what the engine sizes its waves with and the decoder checks against the GPU's free
+    memory) equals the bytes the static decoder allocates: K, V, the FP8 cache's scales and the validity bytes."""
+    from megatron_jetrl.rollout.decode import cache_bytes
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("qwen3", str(tmp_path), seed=3)
+    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet", f"precision.kv_cache={kv}"])
+    engine = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
+    dec = engine._static_decoder(8, 70)
+    held = sum(t.untyped_storage().nbytes() for t in (dec.k, dec.v, dec.ks, dec.vs, dec.key_ok) if t is not None)
+    assert dec.cache_bytes == held == cache_bytes(model, 8, 70, kv == "fp8") == 8 * cache_bytes(model, 1, 70, kv == "fp8")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "jet"])
+def test_engine_decodes_more_rows_than_its_bound_in_waves_with_the_same_tokens(mode, tmp_path, megatron_single):
+    """20 rows with ``rollout.decode_rows=8`` decode in 3 waves on one static decoder (8 rows, the whole batch's
+    length), and with the rows the GPU's memory holds as the bound (``_fit_rows``, here 8) the same: row-seeded
+    sampling draws each row's tokens of the batch decoded at once (logprobs within the CPU's batch-shape rounding:
+    jet's activation quantizer can turn a last-bit difference into an E4M3 step)."""
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("qwen3", str(tmp_path), seed=5)
+    _, model, state = build_loaded(str(tmp_path), [f"precision.mode={mode}"])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (20,), generator=g)]
+    seeds = list(range(100, 120))
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    whole = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
+    ref = whole.generate(prompts, params, seeds)
+    assert whole.metrics == {"rollout_waves": 1} and whole.decoder.B == 24
+    bounded = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4, decode_rows=8)
+    by_memory = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
+    by_memory._fit_rows = lambda rows, max_len: 8  # the GPU holds 8 rows' cache
+    diffs = []
+    for engine in (bounded, by_memory):
+        made = []
+
+        def build(B, L, original=engine._static_decoder, made=made):
+            dec = original(B, L)
+            made.append((B, L, id(dec)))
+            return dec
+
+        engine._static_decoder = build
+        out = engine.generate(prompts, params, seeds)
+        assert engine.metrics == {"rollout_waves": 3} and engine.decoder.B == 8
+        assert made == [(8, max(map(len, prompts)) + 10, id(engine.decoder))] * 3
+        assert engine.last_stats["decode_steps"] == 3 * 10 and engine.last_stats["cuda_graphs"] is False
+        for a, b in zip(ref, out):
+            assert a.prompt_ids == b.prompt_ids and a.output_ids == b.output_ids
+            diffs += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
+    assert max(diffs) < 0.05 and sum(d < 1e-4 for d in diffs) >= 0.9 * len(diffs), sorted(diffs)[-5:]
 
 
 def test_fp8_cache_v_layout_follows_the_gpus_bandwidth_per_sm(monkeypatch):

@@ -93,10 +93,29 @@ def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -
     positions) exceeds the ``free`` bytes of its GPU, else None."""
     if need <= free:
         return None
+    fewer = "decode fewer rows at once (rollout.decode_rows; a fleet's rollout.chunk_size) or " if rows > 1 else ""
     return (f"config error: rollout decode: a KV cache of {rows} rows x {length} positions needs {need / 1e9:.1f} GB, "
-            f"{free / 1e9:.1f} GB free on the GPU; decode fewer rows at once (rollout.prompts_per_step x "
-            f"rollout.n_samples_per_prompt; a fleet's rollout.chunk_size) or shorten rollout.max_new_tokens"
+            f"{free / 1e9:.1f} GB free on the GPU; {fewer}shorten rollout.max_new_tokens"
             + ("" if fp8 else ", or set precision.kv_cache=fp8 (half the bytes)"))
+
+
+def cache_bytes(model, rows: int, max_len: int, fp8: bool) -> int:
+    """Bytes of the static decoder's KV cache for ``rows`` x ``max_len`` positions of ``model``: K and V of every
+    layer (``recipe.kv_cache_bytes``: the FP8 cache's E4M3 bytes and fp32 scales) and a validity byte per
+    position, each row ``CACHE_ALIGN``-aligned."""
+    gpt = unwrap(model)
+    layers = list(gpt.decoder.layers)
+    attn = layers[0].self_attention
+    La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+    return kv_cache_bytes(rows * La, layers=len(layers), kv_heads=attn.num_query_groups_per_partition,
+                          head_dim=attn.hidden_size_per_attention_head, fp8=fp8,
+                          elem_bytes=next(gpt.parameters()).dtype.itemsize) + rows * La
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on CUDA ``device`` can take: the driver's free memory and what torch's allocator holds
+    unused."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def unwrap(model):
@@ -233,11 +252,9 @@ class StaticDecoder:
         # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
         # (H100, a key-major V of 64 x 2,280 keys: docs/decode_attention.md)
         La = self.rows_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+        self.cache_bytes = cache_bytes(model, batch, max_len, self.kv_recipe is not None)
         if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
-            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-            need = kv_cache_bytes(batch * La, layers=nl, kv_heads=self.groups, head_dim=self.dim,
-                                  fp8=self.kv_recipe is not None, elem_bytes=self.dtype.itemsize) + batch * La
-            why = cache_fit_problem(need, free, batch, max_len, self.kv_recipe is not None)
+            why = cache_fit_problem(self.cache_bytes, free_bytes(dev), batch, max_len, self.kv_recipe is not None)
             if why:
                 raise ConfigError(why)
 

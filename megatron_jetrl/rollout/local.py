@@ -13,17 +13,40 @@ static-shape decoder (CUDA graphs on GPU; ``decode="static"``) or on megatron-co
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 import torch
 
 from megatron_jetrl.config import RolloutConfig
+from megatron_jetrl.errors import ConfigError
 from megatron_jetrl.rollout.base import Generation, SamplingParams, fused_sampling, sample_next
 from megatron_jetrl.sync.transport import is_fp8_payload, tensor_hash
 
 
+log = logging.getLogger(__name__)
 SYNC_EVERY = 8
 ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many rows
+
+
+def wave_rows(rows: int, limit: int = 0, fit: int | None = None) -> int:
+    """Rows per decode wave for a batch of ``rows``: all of them where they are within ``limit``
+    (``rollout.decode_rows``; 0: none) and ``fit`` (the most decoder rows whose KV cache the GPU holds; None: no
+    bound), else balanced waves of at most the smaller bound taken down to a multiple of ``ROW_MULTIPLE`` (the
+    decoder's row rounding; a bound under it is kept as is), each wave that many rows rounded up to a multiple of
+    it, the last one the rest: 512 rows within 200 -> 3 waves of 176 (176, 176, 160). ``fit`` 0 (not one row) is
+    the caller's to refuse."""
+    bounds = [b for b in (limit or None, fit) if b is not None]
+    if not bounds or rows <= min(bounds) and (fit is None or -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE <= fit):
+        return rows
+    cap = min(bounds)
+    if cap >= ROW_MULTIPLE:
+        cap -= cap % ROW_MULTIPLE
+    waves = -(-rows // max(1, cap))
+    size = -(-rows // waves)
+    if cap >= ROW_MULTIPLE:
+        size = -(-size // ROW_MULTIPLE) * ROW_MULTIPLE
+    return size
 
 
 class LocalEngine:
@@ -33,7 +56,7 @@ class LocalEngine:
                  model_cfg=None, decode: str = "static", cuda_graphs: bool = True,
                  bucket: int = RolloutConfig.decode_bucket, keep_cache: bool = True, attention: str = "sdpa",
                  max_graphs: int = RolloutConfig.decode_max_graphs,
-                 v_layout: str = RolloutConfig.fp8_kv_v_layout):
+                 v_layout: str = RolloutConfig.fp8_kv_v_layout, decode_rows: int = RolloutConfig.decode_rows):
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -50,6 +73,8 @@ class LocalEngine:
         self.max_graphs = max_graphs
         self.attention = attention  # the static decoder's decode-step attention: "sdpa" or "triton"
         self.v_layout = v_layout  # the FP8 KV cache's V layout (rollout.fp8_kv_v_layout)
+        self.decode_rows = decode_rows  # rows per decode wave at most (rollout.decode_rows; 0: as many as fit)
+        self._row_cap: int | None = None  # the static decoder's rows at most (the wave's fit, under ROW_MULTIPLE)
         self._decoder = None
         self.last_stats: dict = {}
 
@@ -81,6 +106,8 @@ class LocalEngine:
         from megatron_jetrl.rollout.decode import StaticDecoder
 
         d, rows = self._decoder, -(-B // ROW_MULTIPLE) * ROW_MULTIPLE
+        if self._row_cap is not None:  # waves of fewer rows than ROW_MULTIPLE fit: no rounding past them
+            rows = max(B, min(rows, self._row_cap))
         if d is None or not B <= d.B <= 2 * rows or d.L < max_len:
             if d is not None:  # free the old cache (and its graphs' pool) before allocating the new one
                 self._decoder = d = None
@@ -103,18 +130,64 @@ class LocalEngine:
         return cls(model, fp8_state, pad_id, seed=cfg.seed if seed is None else seed,
                    vocab_size=cfg.model.vocab_size, model_cfg=cfg.model, decode=r.decode, cuda_graphs=r.cuda_graphs,
                    bucket=r.decode_bucket, keep_cache=r.keep_decode_cache if keep_cache is None else keep_cache,
-                   attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout)
+                   attention=r.decode_attention, max_graphs=r.decode_max_graphs, v_layout=r.fp8_kv_v_layout,
+                   decode_rows=r.decode_rows)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[Generation]:
         """``seeds``: one sampling seed per prompt (SGLang's seeded rule, ``rollout/seeded.py``: a row's
         tokens depend on its prompt, seed and the weights, not on the rest of the batch); None: the
-        engine's generator."""
+        engine's generator. More rows than ``decode_rows``, or than the GPU's free memory holds a KV cache for,
+        decode in waves (``wave_rows``; ``metrics["rollout_waves"]``)."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        size = len(prompts)
+        if prompts:
+            max_len = max(len(p) for p in prompts) + params.max_new_tokens
+            size = wave_rows(len(prompts), self.decode_rows, self._fit_rows(len(prompts), max_len))
+        self.metrics = {"rollout_waves": -(-len(prompts) // size) if prompts else 0}
+        if size >= len(prompts):
+            return self._generate_wave(prompts, params, seeds)
+        log.info("rollout: %d rows decoded in %d waves of up to %d (%s)", len(prompts), self.metrics["rollout_waves"],
+                 size, f"rollout.decode_rows={self.decode_rows}" if self.decode_rows and size <= self.decode_rows
+                 else "the rows whose KV cache fits the GPU's free memory")
+        gens, stats = [], {}
+        for i in range(0, len(prompts), size):  # one static decoder for every wave: its rows, the longest prompt's length
+            gens += self._generate_wave(prompts[i:i + size], params, None if seeds is None else seeds[i:i + size],
+                                        (size, max_len))
+            for k, v in self.last_stats.items():  # summed over the waves (decode_steps: the waves' steps)
+                stats[k] = v if isinstance(v, bool) else stats.get(k, 0) + v
+        self.last_stats = stats
+        return gens
+
+    def _fit_rows(self, rows: int, max_len: int) -> int | None:
+        """The most static-decoder rows of ``max_len`` positions whose KV cache the GPU's free memory holds (the kept
+        decoder's cache counted as free: a larger one replaces it), or None: no bound (off CUDA, another decode
+        path, or the kept decoder already has room). Not one row: refused in one line (``cache_fit_problem``)."""
+        self._row_cap = None
+        if not self.static_decoding or self.device.type != "cuda":
+            return None
+        from megatron_jetrl.rollout.decode import cache_bytes, cache_fit_problem, free_bytes
+
+        d = self._decoder
+        if d is not None and rows <= d.B and d.L >= max_len:
+            return None
+        fp8 = getattr(getattr(self.fp8_state, "recipe", None), "rollout_kv_fp8", False)
+        per_row = cache_bytes(self.model, 1, max_len, fp8)
+        free = free_bytes(self.device) + (d.cache_bytes if d is not None else 0)
+        fit = free // per_row
+        if fit < 1:
+            raise ConfigError(cache_fit_problem(per_row, free, 1, max_len, fp8))
+        if fit < ROW_MULTIPLE:
+            self._row_cap = fit
+        return fit
+
+    def _generate_wave(self, prompts: list[list[int]], params: SamplingParams, seeds=None,
+                       shape: tuple[int, int] | None = None) -> list[Generation]:
+        """One batch of rows decoded at once; ``shape``: the static decoder's (rows, positions) at least."""
         if self.static_decoding:
-            return self._generate_static(prompts, params, seeds)
+            return self._generate_static(prompts, params, seeds, shape)
         if self.fp8_state is not None and self.fp8_state.recipe.exact:
             return self._generate_exact(prompts, params, seeds)
         return self._generate_megatron(prompts, params, seeds)
@@ -161,15 +234,17 @@ class LocalEngine:
                 torch.cat([key_pad, torch.ones((extra, P), dtype=torch.bool, device=key_pad.device)]))
 
     @torch.no_grad()
-    def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Generation]:
+    def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seeds=None,
+                         shape: tuple[int, int] | None = None) -> list[Generation]:
         tokens, key_pad = self._left_pad(prompts)
         B, P = tokens.shape
+        rows, length = shape or (B, 0)
         was_training = self.model.training
         self.model.eval()
         try:
             with self.fp8_state.rollout_precision():
                 self._refresh_fp8()
-                dec = self._static_decoder(B, P + params.max_new_tokens)
+                dec = self._static_decoder(max(B, rows), max(P + params.max_new_tokens, length))
                 extra = dec.B - B  # rows beyond the batch decode pad tokens and are never sampled
                 tokens, key_pad = self.pad_rows(tokens, key_pad, dec.B)
                 pads = torch.full((extra,), self.pad_id, dtype=torch.long, device=self.device)

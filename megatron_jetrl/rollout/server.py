@@ -153,7 +153,7 @@ class ServeEngine:
     """The model, the engine over it, and the weight-update state machine."""
 
     def __init__(self, model_path: str, params_dtype: str = "bf16", seed: int = 0, backend: str = "auto",
-                 small_m_max: int = 64, kv_cache: str = "bf16", exact: bool = False):
+                 small_m_max: int = 64, kv_cache: str = "bf16", exact: bool = False, decode_rows: int = 0):
         from megatron_jetrl.config import ModelConfig, ParallelConfig, PrecisionConfig
         from megatron_jetrl.distributed import init_distributed
         from megatron_jetrl.models.builder import DTYPES, build_model
@@ -179,7 +179,8 @@ class ServeEngine:
         self.fp8_state.small_m_max = small_m_max
         load_hf_weights(self.model, self.model_cfg, model_path, self.fp8_state)
         self.engine = LocalEngine(self.model, self.fp8_state, pad_id=0, seed=seed,
-                                  vocab_size=self.model_cfg.vocab_size, model_cfg=self.model_cfg)
+                                  vocab_size=self.model_cfg.vocab_size, model_cfg=self.model_cfg,
+                                  decode_rows=decode_rows)
         if exact and self.engine.static_decoding:  # refused at start, not at the first request
             from megatron_jetrl.rollout.decode import exact_refusal
 
@@ -635,6 +636,8 @@ def serve(args: argparse.Namespace) -> int:
     if not _loopback(args.host) and not args.admin_api_key:
         raise SystemExit(f"jetrl serve: --host {args.host} is reachable from other machines; "
                          "give --admin-api-key to guard the weight and memory endpoints")
+    if args.max_running_requests is not None and args.max_running_requests < 1:
+        raise SystemExit(f"jetrl serve: --max-running-requests {args.max_running_requests}: give at least 1 row")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Take the port before loading the model: the load's process group (gloo/NCCL) and a sibling
     # server's bind ephemeral ports, which could otherwise land on ours while the model loads
@@ -644,7 +647,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.server_bind()
         state = ServeEngine(args.model_path, args.params_dtype, args.seed, args.backend, args.small_m_max,
-                            "fp8" if args.kv_cache_dtype == "fp8_e4m3" else "bf16", args.exact)
+                            "fp8" if args.kv_cache_dtype == "fp8_e4m3" else "bf16", args.exact,
+                            args.max_running_requests or 0)
         state.weight_version = str(args.weight_version)
         server.RequestHandlerClass = make_handler(state, args.admin_api_key, int(args.max_body_mb * (1 << 20)))
         server.server_activate()
@@ -683,6 +687,9 @@ def add_serve_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--exact", action="store_true",
                     help="exact on-policy mode (precision.exact): the trainer's batch-invariant kernels and logprob "
                          "statement, so every sampled token's logprob is the trainer's bit for bit (docs/rollout.md)")
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="rows (prompts x samples) decoded at once at most, SGLang's flag; a request's further rows "
+                         "decode in later waves (rollout.decode_rows; default: as many as the GPU's memory holds)")
     ap.add_argument("--max-body-mb", type=float, default=2048.0, help="largest request body accepted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weight-version", default="0")

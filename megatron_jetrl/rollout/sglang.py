@@ -83,6 +83,8 @@ def sglang_server_argv(cfg, recipe, model_dir: str, port: int, base_gpu_id: int 
         argv.append("--enable-memory-saver")
     if cfg.rollout.deterministic:
         argv.append("--enable-deterministic-inference")
+    if cfg.rollout.decode_rows:  # rows decoded at once: SGLang's running-request bound
+        argv += ["--max-running-requests", str(cfg.rollout.decode_rows)]
     if cfg.rollout.admin_api_key:
         argv += ["--admin-api-key", cfg.rollout.admin_api_key]
     return argv
@@ -105,6 +107,8 @@ def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
             "--kv-cache-dtype", "fp8_e4m3" if cfg.precision.kv_cache == "fp8" else "auto"]
     if cfg.precision.exact:
         argv.append("--exact")
+    if cfg.rollout.decode_rows:
+        argv += ["--max-running-requests", str(cfg.rollout.decode_rows)]
     if cfg.rollout.admin_api_key:
         argv += ["--admin-api-key", cfg.rollout.admin_api_key]
     return argv
