@@ -717,6 +717,7 @@ def test_decoder_refuses_a_kv_cache_the_gpu_cannot_hold():
     assert "\n" not in msg and "kv_cache" not in cache_fit_problem(fp8, 60e9, 256, 4224, fp8=True)
     assert cache_fit_problem(fp8, 139e9, 256, 4224, fp8=True) is None and cache_fit_problem(bf16, bf16, 1, 1, False) is None
     one = cache_fit_problem(bf16 // 256, 0.5e9, 1, 4224, fp8=False)  # not one row: fewer rows is no fix
+    assert one.startswith("config error: rollout decode: a KV cache of 1 row x 4224 positions needs 0.6 GB, 0.5 GB free")
     assert "decode_rows" not in one and "rollout.max_new_tokens" in one and "precision.kv_cache=fp8" in one
 
 
