@@ -510,10 +510,10 @@ def test_decode_kernels_address_caches_past_2_31_elements(fp8):
 
 @pytest.mark.parametrize("mode", ["jet", "jet+fp8kv"])
 def test_rows_past_the_gpus_free_memory_decode_in_waves(mode, tmp_path, megatron_single, monkeypatch):
-    """With the GPU's free memory (``decode.free_bytes``) holding the KV cache of 20 rows of the rollout's length, 44
-    rows decode in 3 waves of 16 on one graph-captured decoder, drawing each row's tokens of the batch decoded at once
-    (row-seeded; 9 rows in 10 at least: the GEMMs at 16 rows round otherwise than at 48); with room for none a one-line
-    refusal naming the response length."""
+    """With the GPU's free memory (``decode.free_bytes``) holding the KV cache of 20 rows of the rollout's length beside
+    the decoder's work (``decode.work_bytes``), 44 rows decode in 3 waves of 16 on one graph-captured decoder, drawing
+    each row's tokens of the batch decoded at once (row-seeded; 9 rows in 10 at least: the GEMMs at 16 rows round
+    otherwise than at 48); with room for none a one-line refusal naming the response length."""
     from megatron_jetrl.bench.timing import mode_overrides
     from megatron_jetrl.errors import ConfigError
     from megatron_jetrl.rollout import decode
@@ -535,14 +535,16 @@ def test_rows_past_the_gpus_free_memory_decode_in_waves(mode, tmp_path, megatron
     assert whole.metrics == {"rollout_waves": 1}
     length = max(map(len, prompts)) + params.max_new_tokens
     per_row = decode.cache_bytes(model, 1, length, mode.endswith("+fp8kv"))
-    monkeypatch.setattr(decode, "free_bytes", lambda device: 20 * per_row + per_row // 2)
+    work = decode.work_bytes(model)  # kept free beside the cache
+    assert work > decode.PREFILL_SCORE_BYTES
+    monkeypatch.setattr(decode, "free_bytes", lambda device: work + 20 * per_row + per_row // 2)
     engine = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=16)
     out = engine.generate(prompts, params, seeds)
     assert engine.metrics == {"rollout_waves": 3} and engine.decoder.B == 16 and engine.last_stats["cuda_graphs"]
     # 16 rows run other GEMM tiles and splits than 48 (other roundings): a draw near a boundary may go another way
     same = sum(a.output_ids == b.output_ids for a, b in zip(out, ref))
     assert same >= 0.9 * len(ref), same
-    monkeypatch.setattr(decode, "free_bytes", lambda device: per_row // 2)
+    monkeypatch.setattr(decode, "free_bytes", lambda device: work + per_row // 2)
     fresh = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=16)
     with pytest.raises(ConfigError, match=r"^config error: rollout decode: a KV cache of 1 row x \d+ positions needs "
                                           r".*; shorten rollout.max_new_tokens"):

@@ -112,6 +112,23 @@ def cache_bytes(model, rows: int, max_len: int, fp8: bool) -> int:
                           elem_bytes=next(gpt.parameters()).dtype.itemsize) + rows * La
 
 
+# a prefill chunk's bounds (``StaticDecoder.prefill_rows``): its fp32 attention scores, its tokens (the MLP's activations)
+PREFILL_SCORE_BYTES = 2 << 30
+PREFILL_TOKENS = 16384
+
+
+def work_bytes(model) -> int:
+    """Bytes the static decoder's own work may take beside its KV cache, a bound: a prefill chunk's fp32 attention
+    scores (``PREFILL_SCORE_BYTES``) and, for its ``PREFILL_TOKENS`` tokens in fp32, the MLP's gate/up and SwiGLU
+    outputs (3 x ffn, times the experts a token is routed to) and four hidden-wide tensors (residual, norm,
+    attention in and out): an 8B model 2.1 + 3.9 GB. What the engine keeps free when it sizes its waves (a decode
+    step's logits and sampling, a few vocabulary-wide rows each, are ~1/300 of a row's 8K-token FP8 cache; the
+    decoder's own check against the free memory counts the cache alone)."""
+    c = unwrap(model).config
+    ffn = c.ffn_hidden_size * (c.moe_router_topk if getattr(c, "num_moe_experts", None) else 1)
+    return PREFILL_SCORE_BYTES + PREFILL_TOKENS * 4 * (3 * ffn + 4 * c.hidden_size)
+
+
 def free_bytes(device: torch.device) -> int:
     """Bytes a new allocation on CUDA ``device`` can take: the driver's free memory and what torch's allocator holds
     unused."""
@@ -170,8 +187,8 @@ class StaticDecoder:
 
     def __init__(self, model, batch: int, max_len: int, vocab_size: int | None = None,
                  bucket: int = RolloutConfig.decode_bucket,
-                 use_graphs: bool | None = None, prefill_score_bytes: int = 2 << 30,
-                 prefill_tokens: int = 16384, attention: str = "sdpa", attn_splits: int | None = None,
+                 use_graphs: bool | None = None, prefill_score_bytes: int = PREFILL_SCORE_BYTES,
+                 prefill_tokens: int = PREFILL_TOKENS, attention: str = "sdpa", attn_splits: int | None = None,
                  max_graphs: int = RolloutConfig.decode_max_graphs, kv_recipe: FP8Recipe | None = None,
                  exact: bool = False, v_layout: str = RolloutConfig.fp8_kv_v_layout):
         self.gpt = unwrap(model)

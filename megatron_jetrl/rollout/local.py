@@ -162,20 +162,21 @@ class LocalEngine:
         return gens
 
     def _fit_rows(self, rows: int, max_len: int) -> int | None:
-        """The most static-decoder rows of ``max_len`` positions whose KV cache the GPU's free memory holds (the kept
-        decoder's cache counted as free: a larger one replaces it), or None: no bound (off CUDA, another decode
-        path, or the kept decoder already has room). Not one row: refused in one line (``cache_fit_problem``)."""
+        """The most static-decoder rows of ``max_len`` positions whose KV cache the GPU's free memory holds beside the
+        decoder's own work (``decode.work_bytes``; the kept decoder's cache counted as free: a larger one replaces
+        it), or None: no bound (off CUDA, another decode path, or the kept decoder already has room). Not one row:
+        refused in one line (``cache_fit_problem``)."""
         self._row_cap = None
         if not self.static_decoding or self.device.type != "cuda":
             return None
-        from megatron_jetrl.rollout.decode import cache_bytes, cache_fit_problem, free_bytes
+        from megatron_jetrl.rollout.decode import cache_bytes, cache_fit_problem, free_bytes, work_bytes
 
         d = self._decoder
         if d is not None and rows <= d.B and d.L >= max_len:
             return None
         fp8 = getattr(getattr(self.fp8_state, "recipe", None), "rollout_kv_fp8", False)
         per_row = cache_bytes(self.model, 1, max_len, fp8)
-        free = free_bytes(self.device) + (d.cache_bytes if d is not None else 0)
+        free = max(0, free_bytes(self.device) + (d.cache_bytes if d is not None else 0) - work_bytes(self.model))
         fit = free // per_row
         if fit < 1:
             raise ConfigError(cache_fit_problem(per_row, free, 1, max_len, fp8))
