@@ -94,7 +94,8 @@ def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -
     if need <= free:
         return None
     fewer = "decode fewer rows at once (rollout.decode_rows; a fleet's rollout.chunk_size) or " if rows > 1 else ""
-    return (f"config error: rollout decode: a KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs {need / 1e9:.1f} GB, "
+    return (f"config error: rollout decode: a KV cache of {rows} row{'s' * (rows != 1)} x {length} positions needs "
+            f"{need / 1e9:.1f} GB, "
             f"{free / 1e9:.1f} GB free on the GPU; {fewer}shorten rollout.max_new_tokens"
             + ("" if fp8 else ", or set precision.kv_cache=fp8 (half the bytes)"))
 
