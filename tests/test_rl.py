@@ -380,18 +380,21 @@ def test_rl_steps_with_the_fp8_kv_cache(tmp_path, megatron_single):
     trainer's attention reads the same values, so the train-rollout mismatch stays at the unquantized cache's level
     (fp32 emulation: ~1e-7); in fp8_rollout (the rollout alone quantizes K/V, the off-policy baseline) it is orders
     of magnitude higher. Training runs through the straight-through quantization (non-zero gradient norms; the
-    reward is a hash of the response: non-zero advantages from random weights)."""
+    reward is a hash of the response: non-zero advantages from random weights). The unified cache's rollout runs
+    in waves of 8 of its 16 rows (``rollout.decode_rows``), counted in the step's metrics."""
     from megatron_jetrl.train import close, rl_step
 
     res = {}
     for mode, kv in (("jet", "bf16"), ("jet", "fp8"), ("fp8_rollout", "fp8")):
+        waves = ["rollout.decode_rows=8"] if (mode, kv) == ("jet", "fp8") else []
         run = _tiny_run(tmp_path / f"{mode}_{kv}", "steps=2", "algo.sft_warmup_steps=0", "data.reward=hash",
-                        f"precision.mode={mode}", f"precision.kv_cache={kv}")
+                        f"precision.mode={mode}", f"precision.kv_cache={kv}", *waves)
         try:
             rows = [rl_step(run, step) for step in range(2)]
             dec = run.engine._decoder
             assert (dec.k.dtype == torch.float8_e4m3fn) is (kv == "fp8")
             assert all(r["grad_norm"] > 0 for r in rows)
+            assert [r["rollout_waves"] for r in rows] == [2 if waves else 1] * 2 and dec.B == (8 if waves else 16)
         finally:
             close(run)
         res[(mode, kv)] = max(r["mismatch_abs_mean"] for r in rows)

@@ -48,7 +48,7 @@ class Colocated(Scheduler):
                 run.engine.release_memory()
             if run.cfg.scheduler.offload_trainer:
                 run.actor.reload()
-            m.update(run.engine.metrics)
+        m.update(run.engine.metrics)  # a fleet's health; the in-process engine's decode waves
         return gens, m
 
     def hand_over(self, version: int) -> dict:
