@@ -142,16 +142,18 @@ class LocalEngine:
         decode in waves (``wave_rows``; ``metrics["rollout_waves"]``)."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
-        size = len(prompts)
+        size, fit = len(prompts), None
         if prompts:
             max_len = max(len(p) for p in prompts) + params.max_new_tokens
-            size = wave_rows(len(prompts), self.decode_rows, self._fit_rows(len(prompts), max_len))
+            fit = self._fit_rows(len(prompts), max_len)
+            size = wave_rows(len(prompts), self.decode_rows, fit)
         self.metrics = {"rollout_waves": -(-len(prompts) // size) if prompts else 0}
         if size >= len(prompts):
             return self._generate_wave(prompts, params, seeds)
+        by_memory = fit is not None and (not self.decode_rows or fit < self.decode_rows)
         log.info("rollout: %d rows decoded in %d waves of up to %d (%s)", len(prompts), self.metrics["rollout_waves"],
-                 size, f"rollout.decode_rows={self.decode_rows}" if self.decode_rows and size <= self.decode_rows
-                 else "the rows whose KV cache fits the GPU's free memory")
+                 size, f"the KV cache of {fit} rows fits the GPU's free memory" if by_memory
+                 else f"rollout.decode_rows={self.decode_rows}")
         gens, stats = [], {}
         for i in range(0, len(prompts), size):  # one static decoder for every wave: its rows, the longest prompt's length
             gens += self._generate_wave(prompts[i:i + size], params, None if seeds is None else seeds[i:i + size],
