@@ -378,7 +378,8 @@ class RolloutConfig:
     multiples of 8). 0: all at once where their KV cache fits the GPU's free memory, else waves of the most rows
     that fit, with a log line (a long rollout then need not shrink ``prompts_per_step``; the FP8 cache,
     ``precision.kv_cache=fp8``, holds twice the rows per wave). Row-seeded sampling (the fleet's per-prompt
-    seeds) draws the same tokens whatever the waves."""
+    seeds) draws each row's tokens from its own seed whatever the waves (the same tokens up to the GEMMs' rounding
+    at another row count; with ``precision.exact`` bit for bit)."""
     keep_decode_cache: bool = True
     """Keep the static decoder's KV cache and graphs between rollouts (no re-capture per step);
     ``false`` frees them after every rollout (memory for training on a full GPU), and every rollout then
