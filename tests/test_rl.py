@@ -768,7 +768,8 @@ def test_engine_decodes_more_rows_than_its_bound_in_waves_with_the_same_tokens(m
     """20 rows with ``rollout.decode_rows=8`` decode in 3 waves on one static decoder (8 rows, the whole batch's
     length), and with the rows the GPU's memory holds as the bound (``_fit_rows``, here 8) the same: row-seeded
     sampling draws each row's tokens of the batch decoded at once (logprobs within the CPU's batch-shape rounding:
-    jet's activation quantizer can turn a last-bit difference into an E4M3 step)."""
+    jet's activation quantizer can turn a last-bit difference into an E4M3 step). Where fewer than 8 rows fit, the
+    decoder is not rounded up past them."""
     from tests.hf_models import make_hf_model
 
     make_hf_model("qwen3", str(tmp_path), seed=5)
@@ -787,8 +788,8 @@ def test_engine_decodes_more_rows_than_its_bound_in_waves_with_the_same_tokens(m
     for engine in (bounded, by_memory):
         made = []
 
-        def build(B, L, original=engine._static_decoder, made=made):
-            dec = original(B, L)
+        def build(B, L, max_rows=None, original=engine._static_decoder, made=made):
+            dec = original(B, L, max_rows)
             made.append((B, L, id(dec)))
             return dec
 
@@ -801,6 +802,11 @@ def test_engine_decodes_more_rows_than_its_bound_in_waves_with_the_same_tokens(m
             assert a.prompt_ids == b.prompt_ids and a.output_ids == b.output_ids
             diffs += [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)]
     assert max(diffs) < 0.05 and sum(d < 1e-4 for d in diffs) >= 0.9 * len(diffs), sorted(diffs)[-5:]
+    tight = LocalEngine(model, state, pad_id=0, vocab_size=384, bucket=4)
+    tight._fit_rows = lambda rows, max_len: 3  # under ROW_MULTIPLE rows fit: the decoder holds 3, not 8
+    out = tight.generate(prompts[:5], params, seeds[:5])
+    assert tight.metrics == {"rollout_waves": 2} and tight.decoder.B == 3
+    assert [g.output_ids for g in out] == [g.output_ids for g in ref[:5]]
 
 
 def test_fp8_cache_v_layout_follows_the_gpus_bandwidth_per_sm(monkeypatch):

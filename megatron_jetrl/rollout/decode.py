@@ -100,6 +100,11 @@ def cache_fit_problem(need: int, free: int, rows: int, length: int, fp8: bool) -
             + ("" if fp8 else ", or set precision.kv_cache=fp8 (half the bytes)"))
 
 
+def aligned_len(max_len: int) -> int:
+    """Positions a decoder cache row of ``max_len`` holds: ``max_len`` rounded up to ``CACHE_ALIGN``."""
+    return -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+
+
 def cache_bytes(model, rows: int, max_len: int, fp8: bool) -> int:
     """Bytes of the static decoder's KV cache for ``rows`` x ``max_len`` positions of ``model``: K and V of every
     layer (``recipe.kv_cache_bytes``: the FP8 cache's E4M3 bytes and fp32 scales) and a validity byte per
@@ -107,7 +112,7 @@ def cache_bytes(model, rows: int, max_len: int, fp8: bool) -> int:
     gpt = unwrap(model)
     layers = list(gpt.decoder.layers)
     attn = layers[0].self_attention
-    La = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+    La = aligned_len(max_len)
     return kv_cache_bytes(rows * La, layers=len(layers), kv_heads=attn.num_query_groups_per_partition,
                           head_dim=attn.hidden_size_per_attention_head, fp8=fp8,
                           elem_bytes=next(gpt.parameters()).dtype.itemsize) + rows * La
@@ -269,7 +274,7 @@ class StaticDecoder:
         # the cache's rows are CACHE_ALIGN keys apart (views of max_len keys): a key-major V's feature row, a row of
         # scales or of key_ok of an unaligned length is only 1-8-byte aligned and the attention's tile loads narrow
         # (H100, a key-major V of 64 x 2,280 keys: docs/decode_attention.md)
-        La = self.rows_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+        La = self.rows_len = aligned_len(max_len)
         self.cache_bytes = cache_bytes(model, batch, max_len, self.kv_recipe is not None)
         if dev.type == "cuda":  # the cache alone must fit: one line naming the knobs, not an allocator traceback
             why = cache_fit_problem(self.cache_bytes, free_bytes(dev), batch, max_len, self.kv_recipe is not None)

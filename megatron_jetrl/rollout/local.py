@@ -29,6 +29,11 @@ SYNC_EVERY = 8
 ROW_MULTIPLE = 8  # static decoders are allocated for a multiple of this many rows
 
 
+def decoder_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_MULTIPLE``: the rows a static decoder for them holds."""
+    return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
 def wave_rows(rows: int, limit: int = 0, fit: int | None = None) -> int:
     """Rows per decode wave for a batch of ``rows``: all of them where they are within ``limit``
     (``rollout.decode_rows``; 0: none) and ``fit`` (the most decoder rows whose KV cache the GPU holds; None: no
@@ -37,7 +42,7 @@ def wave_rows(rows: int, limit: int = 0, fit: int | None = None) -> int:
     it, the last one the rest: 512 rows within 200 -> 3 waves of 176 (176, 176, 160). ``fit`` 0 (not one row) is
     the caller's to refuse."""
     bounds = [b for b in (limit or None, fit) if b is not None]
-    if not bounds or rows <= min(bounds) and (fit is None or -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE <= fit):
+    if not bounds or rows <= min(bounds) and (fit is None or decoder_rows(rows) <= fit):
         return rows
     cap = min(bounds)
     if cap >= ROW_MULTIPLE:
@@ -45,7 +50,7 @@ def wave_rows(rows: int, limit: int = 0, fit: int | None = None) -> int:
     waves = -(-rows // max(1, cap))
     size = -(-rows // waves)
     if cap >= ROW_MULTIPLE:
-        size = -(-size // ROW_MULTIPLE) * ROW_MULTIPLE
+        size = decoder_rows(size)
     return size
 
 
@@ -74,7 +79,6 @@ class LocalEngine:
         self.attention = attention  # the static decoder's decode-step attention: "sdpa" or "triton"
         self.v_layout = v_layout  # the FP8 KV cache's V layout (rollout.fp8_kv_v_layout)
         self.decode_rows = decode_rows  # rows per decode wave at most (rollout.decode_rows; 0: as many as fit)
-        self._row_cap: int | None = None  # the static decoder's rows at most (the wave's fit, under ROW_MULTIPLE)
         self._decoder = None
         self.last_stats: dict = {}
 
@@ -98,16 +102,17 @@ class LocalEngine:
                 if getattr(m, "fp8_cache", None) is not None:
                     m.fp8_weight()
 
-    def _static_decoder(self, B: int, max_len: int):
+    def _static_decoder(self, B: int, max_len: int, max_rows: int | None = None):
         """The static decoder for ``B`` rows up to ``max_len`` tokens: the kept one when it has
         room (length, and at most twice the rows rounded up: its extra rows decode pad tokens), else a
         new one with the rows rounded up to a multiple of ``ROW_MULTIPLE`` (varying request sizes, as a
-        ``jetrl serve`` worker sees, then share one KV cache and one set of CUDA graphs)."""
+        ``jetrl serve`` worker sees, then share one KV cache and one set of CUDA graphs), and to ``max_rows`` at
+        most (fewer rows than ``ROW_MULTIPLE`` fit the GPU)."""
         from megatron_jetrl.rollout.decode import StaticDecoder
 
-        d, rows = self._decoder, -(-B // ROW_MULTIPLE) * ROW_MULTIPLE
-        if self._row_cap is not None:  # waves of fewer rows than ROW_MULTIPLE fit: no rounding past them
-            rows = max(B, min(rows, self._row_cap))
+        d, rows = self._decoder, decoder_rows(B)
+        if max_rows is not None:
+            rows = max(B, min(rows, max_rows))
         if d is None or not B <= d.B <= 2 * rows or d.L < max_len:
             if d is not None:  # free the old cache (and its graphs' pool) before allocating the new one
                 self._decoder = d = None
@@ -142,14 +147,16 @@ class LocalEngine:
         decode in waves (``wave_rows``; ``metrics["rollout_waves"]``)."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
-        size, fit = len(prompts), None
+        size, fit, shape = len(prompts), None, None
         if prompts:
             max_len = max(len(p) for p in prompts) + params.max_new_tokens
             fit = self._fit_rows(len(prompts), max_len)
             size = wave_rows(len(prompts), self.decode_rows, fit)
+            # the static decoder's (rows, positions) at least and rows at most (under ROW_MULTIPLE rows fit: no rounding)
+            shape = (size, max_len, fit if fit is not None and fit < ROW_MULTIPLE else None)
         self.metrics = {"rollout_waves": -(-len(prompts) // size) if prompts else 0}
         if size >= len(prompts):
-            return self._generate_wave(prompts, params, seeds)
+            return self._generate_wave(prompts, params, seeds, shape)
         by_memory = fit is not None and (not self.decode_rows or fit < self.decode_rows)
         log.info("rollout: %d rows decoded in %d waves of up to %d (%s)", len(prompts), self.metrics["rollout_waves"],
                  size, f"the KV cache of {fit} rows fits the GPU's free memory" if by_memory
@@ -157,7 +164,7 @@ class LocalEngine:
         gens, stats = [], {}
         for i in range(0, len(prompts), size):  # one static decoder for every wave: its rows, the longest prompt's length
             gens += self._generate_wave(prompts[i:i + size], params, None if seeds is None else seeds[i:i + size],
-                                        (size, max_len))
+                                        shape)
             for k, v in self.last_stats.items():  # summed over the waves (decode_steps: the waves' steps)
                 stats[k] = v if isinstance(v, bool) else stats.get(k, 0) + v
         self.last_stats = stats
@@ -168,7 +175,6 @@ class LocalEngine:
         decoder's own work (``decode.work_bytes``; the kept decoder's cache counted as free: a larger one replaces
         it), or None: no bound (off CUDA, another decode path, or the kept decoder already has room). Not one row:
         refused in one line (``cache_fit_problem``)."""
-        self._row_cap = None
         if not self.static_decoding or self.device.type != "cuda":
             return None
         from megatron_jetrl.rollout.decode import cache_bytes, cache_fit_problem, free_bytes, work_bytes
@@ -182,13 +188,12 @@ class LocalEngine:
         fit = free // per_row
         if fit < 1:
             raise ConfigError(cache_fit_problem(per_row, free, 1, max_len, fp8))
-        if fit < ROW_MULTIPLE:
-            self._row_cap = fit
         return fit
 
     def _generate_wave(self, prompts: list[list[int]], params: SamplingParams, seeds=None,
-                       shape: tuple[int, int] | None = None) -> list[Generation]:
-        """One batch of rows decoded at once; ``shape``: the static decoder's (rows, positions) at least."""
+                       shape: tuple[int, int, int | None] | None = None) -> list[Generation]:
+        """One batch of rows decoded at once; ``shape``: the static decoder's (rows, positions) at least and its
+        rows at most (None: no bound)."""
         if self.static_decoding:
             return self._generate_static(prompts, params, seeds, shape)
         if self.fp8_state is not None and self.fp8_state.recipe.exact:
@@ -238,16 +243,16 @@ class LocalEngine:
 
     @torch.no_grad()
     def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seeds=None,
-                         shape: tuple[int, int] | None = None) -> list[Generation]:
+                         shape: tuple[int, int, int | None] | None = None) -> list[Generation]:
         tokens, key_pad = self._left_pad(prompts)
         B, P = tokens.shape
-        rows, length = shape or (B, 0)
+        rows, length, max_rows = shape or (B, 0, None)
         was_training = self.model.training
         self.model.eval()
         try:
             with self.fp8_state.rollout_precision():
                 self._refresh_fp8()
-                dec = self._static_decoder(max(B, rows), max(P + params.max_new_tokens, length))
+                dec = self._static_decoder(max(B, rows), max(P + params.max_new_tokens, length), max_rows)
                 extra = dec.B - B  # rows beyond the batch decode pad tokens and are never sampled
                 tokens, key_pad = self.pad_rows(tokens, key_pad, dec.B)
                 pads = torch.full((extra,), self.pad_id, dtype=torch.long, device=self.device)
