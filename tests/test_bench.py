@@ -57,6 +57,25 @@ def test_bench_rollout_harness(tmp_path):
     assert all(r["sm_MHz"] is None and r["power_capped_share"] is None for r in rows)  # no nvidia-smi on the CPU
 
 
+def test_bench_rollout_decodes_in_waves_as_the_rl_loop_does(tmp_path):
+    """Rows past ``rollout.decode_rows`` (or past what the GPU holds a KV cache for) decode in waves in the benchmark
+    as in the RL loop: each row reports its waves, the rows a step runs, each wave's new tokens, the per-step time
+    and KV bytes of one wave's steps; the fit over lengths leaves such rows out (a wave's step, not the batch's)."""
+    import megatron_jetrl.bench.rollout as br
+    from megatron_jetrl.config import load_config, preset_path
+
+    rows = br.main(["--preset", "tiny", "--batch", "20", "--new-tokens", "12,20", "--prompt-len", "4",
+                    "--modes", "bf16,jet+fp8kv", "rollout.decode_rows=8", "--json", str(tmp_path / "rows.json")])
+    assert [(r["mode"], r["new_tokens"]) for r in rows] == [("bf16", 12), ("jet+fp8kv", 12), ("bf16", 20),
+                                                             ("jet+fp8kv", 20)]
+    cfg = load_config(preset_path("tiny"), ["precision.mode=jet", "precision.kv_cache=fp8"])
+    for r in rows:  # 20 rows within 8: waves of 8, 8 and 4 on one 8-row decoder
+        assert (r["waves"], r["step_rows"], r["sample_tokens"]) == (3, 8, 20 * r["new_tokens"])
+        assert r["rollout_s"] > 3 * r["prefill_s"] > 0 and r["decode_step_ms"] > 0
+    assert rows[3]["kv_GB_read_per_step_mean"] == pytest.approx(br.kv_read_gb(cfg, 8, 4, 20))
+    assert br.kv_fit(rows) == []
+
+
 def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeypatch, capsys):
     """A mode whose KV cache the decoder refuses (its ConfigError: larger than the GPU's free memory, e.g. BF16 at
     256 x 4K tokens of an 8B model) or whose allocation fails becomes a row saying so; the other modes still run
@@ -81,8 +100,8 @@ def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeyp
     assert [(r["mode"], r.get("oom", False)) for r in rows] == [("jet+fp8kv", False), ("bf16", True), ("jet", True)]
     assert rows[1]["why"] == line and rows[2]["why"] == "out of memory"
     out = capsys.readouterr().out
-    assert "| bf16 | - | 256 | 4096 | - | - | - | does not fit the GPU |" in out
-    assert "| jet | - | 256 | 4096 | - | - | - | out of memory |" in out
+    assert "| bf16 | - | 256 | 4096 | - | - | - | - | - | does not fit the GPU |" in out
+    assert "| jet | - | 256 | 4096 | - | - | - | - | - | out of memory |" in out
     assert json.load(open(tmp_path / "rows.json"))[1]["why"] == line
 
 
@@ -124,7 +143,7 @@ def test_bench_rollout_projects_a_refused_mode_from_its_fit(tmp_path, monkeypatc
     assert fp8["step_vs_bf16_fitted"] == pytest.approx((5.4 + want / 4.6) / fp8["decode_step_ms"])
     assert "step_vs_bf16_fitted" not in rows[1]  # measured bf16 at 1K: compared as measured
     out = capsys.readouterr().out
-    assert f"| bf16 | - | 256 | 4096 | - | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
+    assert f"| bf16 | - | 256 | 4096 | - | - | - | - | - | does not fit the GPU | - | {5.4 + want / 4.6:.2f} fitted |" in out
     assert f"{fp8['step_vs_bf16_fitted']:.3f} (step vs fitted)" in out
     assert json.load(open(tmp_path / "rows.json"))[4]["decode_step_ms_fitted"] == pytest.approx(5.4 + want / 4.6)
 

@@ -133,10 +133,11 @@ def kv_fit(rows: list[dict]) -> list[dict]:
     """Per (mode, batch) measured at two or more response lengths: the least-squares line ``decode_step_ms = base_ms
     + kv_GB_read_per_step_mean / kv_TBps`` (GB / (TB/s) = ms). ``base_ms``: what a step costs besides reading the KV
     cache (weights, launches, the kernels' fixed parts); ``kv_TBps``: the rate the step reads each further byte of
-    it (None where the longer rollouts' steps were not slower). Rows out of memory are left out."""
+    it (None where the longer rollouts' steps were not slower). Rows out of memory are left out, and rows decoded in
+    waves (their steps run a wave's rows, not the batch's)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if not r.get("oom"):
+        if not r.get("oom") and r.get("waves", 1) == 1:
             groups.setdefault((r["mode"], r["batch"]), []).append(r)
     out = []
     for (mode, batch), rs in groups.items():
@@ -271,10 +272,14 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
     params = SamplingParams(new_tokens, 1.0, 1.0, 0, ())
     cuda = torch.cuda.is_available()
     # first rollout: graph capture, Triton compiles; for long rollouts a shorter one on the full-length decoder
-    # (the timed rollout's own captures, of buckets the warm-up did not reach, are taken out of its time)
+    # (the timed rollout's own captures, of buckets the warm-up did not reach, are taken out of its time). More rows
+    # than the GPU holds a KV cache for (or than rollout.decode_rows) decode in waves, as the RL loop does: the
+    # decoder is one wave's, and the first rollout is one wave
+    size = batch
     if engine.static_decoding:
-        engine._static_decoder(batch, prompt_len + new_tokens)
-    engine.generate(prompts, SamplingParams(min(new_tokens, WARMUP_TOKENS), 1.0, 1.0, 0, ()))
+        size, _, shape = engine.wave_plan(batch, prompt_len + new_tokens)
+        engine._static_decoder(*shape)
+    engine.generate(prompts[:size], SamplingParams(min(new_tokens, WARMUP_TOKENS), 1.0, 1.0, 0, ()))
     first = dict(engine.last_stats)
     if cuda:
         torch.cuda.synchronize()
@@ -283,13 +288,13 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
         t0 = time.perf_counter()
         gens = engine.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-    st = engine.last_stats
+    st, waves = engine.last_stats, engine.metrics.get("rollout_waves", 1)
     capture = st.get("graph_capture_s", 0.0)
     wall = elapsed - capture
-    steps = st.get("decode_steps", new_tokens)
-    # prefill alone, for the per-step decode time: one more prefill on the same decoder
+    steps = st.get("decode_steps", new_tokens * waves) // waves  # the waves' steps summed: each wave's
+    # prefill alone, for the per-step decode time: one more prefill on the same decoder (one wave's rows)
     dec = engine._decoder
-    tokens, key_pad = engine._left_pad(prompts)
+    tokens, key_pad = engine._left_pad(prompts[:size])
     if dec is not None:
         tokens, key_pad = engine.pad_rows(tokens, key_pad, dec.B)
     with torch.no_grad(), state.rollout_precision():
@@ -309,7 +314,9 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
         else:
             kernels = {}
     tuning = dict(getattr(dec, "gemm_tuning", {}))
-    decode_ms = (st.get("generate_s", elapsed) - capture - prefill) / max(1, steps - 1) * 1e3
+    # each wave: a prefill, then steps - 1 decode steps (its first token is sampled from the prefill's logits)
+    decode_ms = (st.get("generate_s", elapsed) - capture - waves * prefill) / max(1, waves * (steps - 1)) * 1e3
+    step_rows = dec.B if dec is not None else size  # the rows a decode step runs (a wave's, rounded up)
     bound_ms = wbytes / (bandwidth * 1e12) * 1e3
     out = {"mode": label or cfg.precision.mode, "kv_cache": cfg.precision.kv_cache, "batch": batch,
            "prompt_len": prompt_len, "new_tokens": steps,
@@ -322,6 +329,8 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "v_layout": ("-" if getattr(dec, "ks", None) is None
                         else "key_major" if dec.v_key_major else "rows"),
            "cuda_graphs": bool(st.get("cuda_graphs", False)),
+           # decode waves (LocalEngine.wave_plan) and the rows a step runs: the KV cache the GPU holds, decode_rows
+           "waves": waves, "step_rows": step_rows,
            "rollout_s": wall, "prefill_s": prefill, "decode_step_ms": decode_ms,
            "tokens_per_s": batch * steps / wall, "capture_s_first_rollout": first.get("graph_capture_s", 0.0),
            "capture_s_timed_rollout": capture,
@@ -329,7 +338,7 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            # long contexts) and the CUDA graphs it captured
            "decode_bucket": getattr(dec, "bucket", None), "graphs": len(getattr(dec, "graphs", {})),
            "weight_GB": wbytes / 1e9, "weight_bound_ms": bound_ms, "step_vs_weight_bound": decode_ms / bound_ms,
-           "kv_GB_read_per_step_mean": kv_read_gb(cfg, batch, prompt_len, steps),
+           "kv_GB_read_per_step_mean": kv_read_gb(cfg, step_rows, prompt_len, steps),
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "small_m_max": state.small_m_max,
            # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
@@ -426,7 +435,8 @@ def report(rows: list[dict], header: str, json_path: str | None, plot_path: str 
         ratio, fitted = vs_bf16(rows, r)
         vs = "-" if ratio is None else f"{ratio:.3f}" + (" (step vs fitted)" if fitted else "")
         shown.append({**r, "tokens/s vs bf16": vs})
-    cols = ["mode", "kv_cache", "batch", "new_tokens", "attention", "v_layout", "cuda_graphs", "rollout_s", "prefill_s",
+    cols = ["mode", "kv_cache", "batch", "new_tokens", "waves", "step_rows", "attention", "v_layout", "cuda_graphs",
+            "rollout_s", "prefill_s",
             "decode_step_ms", "tokens_per_s", "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound",
             "kv_GB_read_per_step_mean", "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max",
             "deepgemm_shapes", "sm_MHz", "power_W", "power_capped_share"]

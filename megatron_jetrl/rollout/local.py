@@ -149,11 +149,7 @@ class LocalEngine:
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         size, fit, shape = len(prompts), None, None
         if prompts:
-            max_len = max(len(p) for p in prompts) + params.max_new_tokens
-            fit = self._fit_rows(len(prompts), max_len)
-            size = wave_rows(len(prompts), self.decode_rows, fit)
-            # the static decoder's (rows, positions) at least and rows at most (under ROW_MULTIPLE rows fit: no rounding)
-            shape = (size, max_len, fit if fit is not None and fit < ROW_MULTIPLE else None)
+            size, fit, shape = self.wave_plan(len(prompts), max(len(p) for p in prompts) + params.max_new_tokens)
         self.metrics = {"rollout_waves": -(-len(prompts) // size) if prompts else 0}
         if size >= len(prompts):
             return self._generate_wave(prompts, params, seeds, shape)
@@ -169,6 +165,14 @@ class LocalEngine:
                 stats[k] = v if isinstance(v, bool) else stats.get(k, 0) + v
         self.last_stats = stats
         return gens
+
+    def wave_plan(self, rows: int, max_len: int) -> tuple[int, int | None, tuple[int, int, int | None]]:
+        """How :meth:`generate` decodes ``rows`` rows of up to ``max_len`` positions: (rows per wave, the most
+        decoder rows whose KV cache fits or None: no bound, the static decoder's (rows, positions) at least and rows
+        at most). Under ``ROW_MULTIPLE`` rows fit: that many at most, not rounded up."""
+        fit = self._fit_rows(rows, max_len)
+        size = wave_rows(rows, self.decode_rows, fit)
+        return size, fit, (size, max_len, fit if fit is not None and fit < ROW_MULTIPLE else None)
 
     def _fit_rows(self, rows: int, max_len: int) -> int | None:
         """The most static-decoder rows of ``max_len`` positions whose KV cache the GPU's free memory holds beside the
