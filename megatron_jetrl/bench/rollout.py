@@ -9,7 +9,9 @@ timed rollout is the second, which reuses the graphs as the RL loop does; past `
 first is that long, on the same full-length decoder, and the timed rollout's time leaves out the captures of the
 length buckets the first did not reach), the weight bytes one
 step reads and the weight-bandwidth bound at ``--bandwidth`` TB/s (the H200's measured copy
-ceiling), the KV bytes a step reads, and the FP8/bf16 speedup.
+ceiling), the KV bytes a step reads, and the FP8/bf16 speedup. A batch whose KV cache does not fit the GPU decodes in
+waves as the RL loop does (``LocalEngine.wave_plan``): tokens/s is the whole rollout's, the step time and KV bytes a
+wave's step's (``waves``, ``step_rows``).
 """
 from __future__ import annotations
 
