@@ -77,9 +77,9 @@ def test_bench_rollout_decodes_in_waves_as_the_rl_loop_does(tmp_path):
 
 
 def test_bench_rollout_records_a_mode_whose_cache_does_not_fit(tmp_path, monkeypatch, capsys):
-    """A mode whose KV cache the decoder refuses (its ConfigError: larger than the GPU's free memory, e.g. BF16 at
-    256 x 4K tokens of an 8B model) or whose allocation fails becomes a row saying so; the other modes still run
-    and are compared, and the fit leaves those rows out."""
+    """A mode the engine refuses (its ConfigError: not one row's KV cache fits the GPU's free memory) or whose
+    allocation fails becomes a row saying so; the other modes still run and are compared, and the fit leaves those
+    rows out."""
     import megatron_jetrl.bench.rollout as br
     from megatron_jetrl.errors import ConfigError
     from megatron_jetrl.rollout.decode import cache_fit_problem

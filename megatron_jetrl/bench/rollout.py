@@ -157,7 +157,8 @@ def projected(rows: list[dict], fits: list[dict]) -> None:
     """Where a mode's cache did not fit (a row with ``oom``) but the mode was measured at shorter lengths, its step
     from the fit, ``decode_step_ms_fitted = base_ms + kv_GB_read_per_step_mean / kv_TBps``; a measured row whose bf16
     row at the same (batch, length) has only that gets ``step_vs_bf16_fitted`` (bf16's fitted step / its own), e.g.
-    jet + FP8 KV at 256 x 4K against BF16, whose 142 GB cache no single GPU holds. In place."""
+    jet + FP8 KV against BF16 at a length where not one BF16 row's cache fits the GPU (fewer rows decode in waves,
+    ``run_mode``). In place."""
     fit = {(f["mode"], f["batch"]): f for f in fits if f["kv_TBps"]}
     for r in rows:
         f = fit.get((r["mode"], r["batch"]))
@@ -397,9 +398,9 @@ def main(argv=None) -> list[dict]:
                 cfg = load_config(preset_path(args.preset), [*args.overrides, *mode_overrides(mode)])
                 try:
                     rows.append(run_mode(cfg, batch, args.prompt_len, new_tokens, args.bandwidth, args.profile, mode))
-                except (torch.OutOfMemoryError, ConfigError) as e:  # e.g. a BF16 KV cache of 256 x 4K tokens of an
-                    # 8B model: the decoder refuses a cache larger than the GPU's free memory (ConfigError), or an
-                    # allocation fails; the row says so and the other modes run
+                except (torch.OutOfMemoryError, ConfigError) as e:  # not one row's KV cache fits the GPU's free
+                    # memory (the engine's ConfigError; more rows than fit decode in waves), or an allocation fails;
+                    # the row says so and the other modes run
                     why = str(e).splitlines()[0] if isinstance(e, ConfigError) else "out of memory"
                     rows.append({"mode": mode, "batch": batch, "new_tokens": new_tokens, "oom": True, "why": why,
                                  "kv_GB_read_per_step_mean": kv_read_gb(cfg, batch, args.prompt_len, new_tokens)})
