@@ -266,6 +266,17 @@ def test_static_decoder_seek_moves_the_next_steps_position():
             dec.seek(bad)
 
 
+def test_bench_rollout_names_the_shapes_the_tuning_moved_off_cublas():
+    """`bench rollout`'s gemm_kernels column: the weight shapes the decoder's tuning gave another kernel than cuBLAS's."""
+    from megatron_jetrl.bench.rollout import gemm_kernels
+
+    tuning = {"88x6144x4096": {"cublas_us": 22.7, "small_m_us": 18.6, "kernel": "small_m"},
+              "88x28672x4096": {"cublas_us": 55.9, "small_m_us": 56.2, "kernel": "cublas"},
+              "88x4096x14336": {"cublas_us": 49.1, "deepgemm_us": 30.0, "small_m_us": 32.4, "kernel": "deepgemm"}}
+    assert gemm_kernels(tuning) == "6144x4096:small_m,4096x14336:deepgemm"
+    assert gemm_kernels({}) == "-" and gemm_kernels({"88x28672x4096": tuning["88x28672x4096"]}) == "-"
+
+
 def test_kernel_table_on_cpu():
     """The profiler table the benchmarks print (--profile): per-call times of the ops, most first."""
     import torch

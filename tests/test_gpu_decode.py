@@ -423,6 +423,60 @@ def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_ta
         assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
 
 
+@pytest.mark.parametrize("mode", ["jet", "jet+fp8kv"])
+def test_decoder_tunes_the_small_m_gemm_above_small_m_max(mode, tmp_path, megatron_single, kernel_table, monkeypatch):
+    """Above ``small_m_max`` rows the static decoder times the small-M Triton GEMM beside cuBLAS's for each FP8
+    weight shape, records both and keeps the faster (another kernel than cuBLAS only when 3% faster). A shape the
+    table gives the small-M GEMM runs it (the norm kernel then writes its row-major scales): the graph replays draw
+    the tokens and logprobs of the same decoder run eagerly (which calls the small-M GEMM: counted), and of the
+    decoder whose ``small_m_max`` covers the batch (the same kernel by the row rule), bit for bit."""
+    from megatron_jetrl.bench.timing import mode_overrides
+    from megatron_jetrl.kernels import triton_gemm
+    from megatron_jetrl.rollout.base import SamplingParams
+    from megatron_jetrl.rollout.local import LocalEngine
+    from tests.hf_models import make_hf_model
+    from tests.workers import build_loaded
+
+    make_hf_model("qwen3", str(tmp_path))
+    _, model, state = build_loaded(str(tmp_path), mode_overrides(mode), backend="auto")
+    model = model.bfloat16()
+    state.bump()
+    state.small_m_max = 16
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (40,), generator=g)]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    eng = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16)
+    eng.generate(prompts, params)
+    rows, tuning = eng._decoder.B, eng._decoder.gemm_tuning
+    shapes = {tuple(m.fp8_weight()[0].shape) for m in model.modules() if getattr(m, "fp8_cache", None) is not None}
+    assert rows > state.small_m_max and len(shapes) == 2
+    assert {tuple(int(v) for v in k.split("x")[1:]) for k in tuning} == shapes
+    for k, v in tuning.items():
+        times = {n[:-3]: t for n, t in v.items() if n.endswith("_us")}
+        assert times["cublas"] > 0 and times["small_m"] > 0
+        best = min(times, key=times.get)
+        assert v["kernel"] == (best if times[best] < 0.97 * times["cublas"] else "cublas")
+        assert kernel_table.kernel_for(*map(int, k.split("x"))) == v["kernel"]
+    state.decode_gemm = "cublas"  # the forced table below stays as set
+    for n, k in shapes:
+        kernel_table.set_kernel(rows, n, k, "small_m")
+    calls = []
+    real = triton_gemm.small_m_linear
+    rows_of = lambda x: x.numel() // x.shape[-1]  # noqa: E731
+    monkeypatch.setattr(triton_gemm, "small_m_linear", lambda *a, **kw: calls.append(rows_of(a[0])) or real(*a, **kw))
+    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
+               for gr in (False, True)}
+    outs = {gr: engines[gr].generate(prompts, params) for gr in engines}
+    assert engines[True]._decoder.B == rows and engines[True]._decoder.gemm_tuning == {} and rows in calls
+    for n, k in shapes:  # the same kernel by the row rule
+        kernel_table.set_kernel(rows, n, k, "cublas")
+    state.small_m_max = rows
+    by_rule = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16).generate(prompts, params)
+    for a, b, c in zip(outs[True], outs[False], by_rule):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert a.output_logprobs == b.output_logprobs == c.output_logprobs
+
+
 @pytest.mark.gpu
 def test_bf16_fallback_linears_decode_on_gpu(tmp_path, megatron_single):
     """jet with q/k/v left in BF16 (a SmolLM-shaped llama: 576/192/192 rows) and o_proj on a partial last K

@@ -254,6 +254,12 @@ def kv_read_gb(cfg, batch: int, prompt_len: int, steps: int) -> float:
                           elem_bytes=2 if cfg.precision.params_dtype == "bf16" else 4) / 1e9
 
 
+def gemm_kernels(tuning: dict[str, dict]) -> str:
+    """The decoder's tuning (``{"MxNxK": {..., "kernel"}}``, ``gemm.tune_kernels``) as the weight shapes it moved
+    off cuBLAS's GEMM: ``"NxK:kernel,..."``, or ``-``."""
+    return ",".join(f"{k.split('x', 1)[1]}:{v['kernel']}" for k, v in tuning.items() if v["kernel"] != "cublas") or "-"
+
+
 def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float, profile: int = 0,
              label: str | None = None) -> dict:
     from megatron_jetrl.distributed import init_distributed
@@ -344,9 +350,9 @@ def run_mode(cfg, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
            "kv_GB_read_per_step_mean": kv_read_gb(cfg, step_rows, prompt_len, steps),
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "small_m_max": state.small_m_max,
-           # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with both times
+           # the FP8 GEMM kernel the decoder chose per linear shape (precision.decode_gemm=tune), with the times
            "gemm_tuning": tuning,
-           "deepgemm_shapes": ",".join(k.split("x", 1)[1] for k, v in tuning.items() if v["kernel"] == "deepgemm") or "-",
+           "gemm_kernels": gemm_kernels(tuning),
            "sample_tokens": sum(len(x.output_ids) for x in gens), **board.row()}
     timed = ("kernel_ms", "graph_", "eager_", "prefill_kernel")
     for k, v in kernels.items():
@@ -442,7 +448,7 @@ def report(rows: list[dict], header: str, json_path: str | None, plot_path: str 
             "rollout_s", "prefill_s",
             "decode_step_ms", "tokens_per_s", "tokens/s vs bf16", "weight_GB", "weight_bound_ms", "step_vs_weight_bound",
             "kv_GB_read_per_step_mean", "decode_bucket", "graphs", "capture_s_first_rollout", "peak_GiB", "small_m_max",
-            "deepgemm_shapes", "sm_MHz", "power_W", "power_capped_share"]
+            "gemm_kernels", "sm_MHz", "power_W", "power_capped_share"]
     cols += [c for c in ("prefill_kernel_ms", "kernel_ms_per_step", "kernel_ms_per_step_at_mean",
                          "graph_kernel_ms_per_step_at_mean", "graph_idle_ms_per_step_at_mean", "graph_step_ms_at_mean",
                          "graph_host_ms_at_mean", "graph_gpu_ms_at_mean", "graph_between_ms_at_mean",

@@ -16,8 +16,9 @@ when the N tiles alone cannot fill the GPU; the fp32 partials are summed in a fi
 finish (a per-tile counter, ``fused_sum``), or by a second kernel (the default: faster on the H200).
 
 Used by the FP8 linear for inference forwards (rollout) with M <= ``precision.small_m_max``
-(64 by default, the crossover measured on the H200: ``jetrl bench linear --decode`` prints it);
-cuBLAS ``scaled_mm`` above it. Runs under ``TRITON_INTERPRET=1`` on CPU (the tests do).
+(64 by default, the crossover measured on the H200: ``jetrl bench linear --decode`` prints it), and above it
+for the weight shapes the static decoder's tuning found it faster on (``gemm.tune_kernels``); cuBLAS
+``scaled_mm`` otherwise. Runs under ``TRITON_INTERPRET=1`` on CPU (the tests do).
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ torch's blockwise ``scaled_mm`` rejects 1x128 x 1x128, which is why wgrad re-blo
 Backends:
 - ``scaled_mm``: ``torch.nn.functional.scaled_mm`` BlockWise1x128 x BlockWise128x128 (cuBLAS,
   Hopper and newer, CUDA). Shapes listed by :func:`set_kernel` (the static decoder's tuning:
-  :func:`tune_kernels`) run DeepGEMM's kernel instead (``kernels/deepgemm.py``; same operands).
+  :func:`tune_kernels`) run DeepGEMM's kernel instead (``kernels/deepgemm.py``; same operands), or, in
+  inference forwards, the small-M Triton GEMM (``kernels/triton_gemm.py``; the FP8 linear routes those).
 - ``emulated``: any device; the same fp8 values and scales, dequantized and multiplied in
   float32. The reference for the other backend.
 """
@@ -102,14 +103,18 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+KERNELS = ("cublas", "deepgemm", "small_m")
 _KERNELS: dict[tuple[int, int, int], str] = {}
-"""(M, N, K) -> the kernel the ``scaled_mm`` backend runs for that GEMM when it is not cuBLAS's (``deepgemm``)."""
+"""(M, N, K) -> the kernel the ``scaled_mm`` backend runs for that GEMM when it is not cuBLAS's: ``deepgemm``
+(:func:`_scaled_mm` calls it), ``small_m`` (inference forwards only: the FP8 linear calls the small-M Triton GEMM
+for these as for any call of at most ``precision.small_m_max`` rows)."""
 
 
 def set_kernel(M: int, N: int, K: int, kernel: str) -> None:
-    """Run the ``scaled_mm`` backend's (M, N, K) GEMMs on ``kernel``: ``cublas`` (the default) or ``deepgemm``."""
-    if kernel not in ("cublas", "deepgemm"):
-        raise ValueError(f"FP8 GEMM kernel {kernel!r}: use cublas or deepgemm")
+    """Run the ``scaled_mm`` backend's (M, N, K) GEMMs on ``kernel``: ``cublas`` (the default), ``deepgemm`` or
+    ``small_m``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"FP8 GEMM kernel {kernel!r}: use one of {', '.join(KERNELS)}")
     if kernel == "cublas":
         _KERNELS.pop((M, N, K), None)
     else:
@@ -145,36 +150,48 @@ def _graph_us(fn, reps: int = 20) -> float:
 
 
 def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]],
-                 min_gain: float = 0.03) -> dict[str, dict]:
-    """Per FP8 weight shape (N, K), time cuBLAS's and DeepGEMM's GEMM on ``M`` rows, each over all of
-    ``weights[(N, K)]`` (a model's layers: the weights stream from HBM as in a decode step) in one CUDA graph,
-    and run the shape on DeepGEMM from now on when it is more than ``min_gain`` faster (:func:`set_kernel`).
-    Nothing changes where DeepGEMM is not built or does not take the shape. Returns ``{"MxNxK": {"cublas_us",
-    "deepgemm_us", "kernel"}}`` per shape timed (microseconds per weight)."""
+                 recipe=None, min_gain: float = 0.03) -> dict[str, dict]:
+    """Per FP8 weight shape (N, K), time cuBLAS's GEMM on ``M`` rows against DeepGEMM's (where built and taking
+    the shape) and, given the ``recipe``, the small-M Triton GEMM's (x pre-quantized with row-major scales, as the
+    decoder's norm kernel writes them, its split-K partials summed), each over all of ``weights[(N, K)]`` (a
+    model's layers: the weights stream from HBM as in a decode step) in one CUDA graph, and run the shape on the
+    fastest from now on when it is more than ``min_gain`` faster than cuBLAS (:func:`set_kernel`). Same FP8 bytes
+    and scales on every kernel; each rounds its fp32 sums to BF16 after adding them in its own order. CUDA only
+    (elsewhere nothing is timed). Returns ``{"MxNxK": {"cublas_us", "deepgemm_us", "small_m_us", "kernel"}}`` per
+    shape timed (microseconds per weight; a kernel not timed has no entry)."""
     from megatron_jetrl.kernels import deepgemm
 
     out: dict[str, dict] = {}
-    if not weights or not deepgemm.available(next(iter(weights.values()))[0][0].device)[0]:
+    if not weights:
+        return out
+    dev = next(iter(weights.values()))[0][0].device
+    with_dg = deepgemm.available(dev)[0]
+    if dev.type != "cuda" or not (with_dg or recipe is not None):
         return out
     for (N, K), ws in weights.items():
-        dev = ws[0][0].device
         xq = (torch.randn(M, K, device=dev) * 100).to(torch.float8_e4m3fn)
-        xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it
-        if not deepgemm.takes(xq, ws[0][0], torch.bfloat16):
-            continue
+        xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it for cuBLAS
         run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
         set_kernel(M, N, K, "cublas")
-        t_cublas = _graph_us(run) / len(ws)
-        try:
-            deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile (nvcc): before any capture
-        except RuntimeError as e:  # e.g. no nvcc for a shape built on no machine ahead of time: keep cuBLAS
-            log.warning("DeepGEMM %dx%dx%d unavailable, cuBLAS kept: %s", M, N, K, e)
-            continue
-        set_kernel(M, N, K, "deepgemm")
-        t_dg = _graph_us(run) / len(ws)
-        kernel = "deepgemm" if t_dg < (1 - min_gain) * t_cublas else "cublas"
+        times = {"cublas": _graph_us(run) / len(ws)}
+        if with_dg and deepgemm.takes(xq, ws[0][0], torch.bfloat16):
+            try:
+                deepgemm.gemm(xq, xs, *ws[0])  # its first call may JIT-compile (nvcc): before any capture
+                set_kernel(M, N, K, "deepgemm")
+                times["deepgemm"] = _graph_us(run) / len(ws)
+            except RuntimeError as e:  # e.g. no nvcc for a shape built on no machine ahead of time
+                log.warning("DeepGEMM %dx%dx%d unavailable, not timed: %s", M, N, K, e)
+            set_kernel(M, N, K, "cublas")
+        if recipe is not None:
+            from megatron_jetrl.kernels.triton_gemm import small_m_linear
+
+            x = torch.empty(M, K, device=dev, dtype=torch.bfloat16)  # shape and output dtype only: xq is the operand
+            pre = (xq, xs.contiguous())  # row-major scales, the small-M GEMM's layout
+            times["small_m"] = _graph_us(lambda: [small_m_linear(x, q, sc, recipe, xq=pre) for q, sc in ws]) / len(ws)
+        best = min(times, key=times.get)
+        kernel = best if times[best] < (1 - min_gain) * times["cublas"] else "cublas"
         set_kernel(M, N, K, kernel)
-        out[f"{M}x{N}x{K}"] = {"cublas_us": round(t_cublas, 2), "deepgemm_us": round(t_dg, 2), "kernel": kernel}
+        out[f"{M}x{N}x{K}"] = {**{f"{k}_us": round(v, 2) for k, v in times.items()}, "kernel": kernel}
     return out
 
 

@@ -51,8 +51,9 @@ class FP8ModelState:
         # Inference forwards with at most this many tokens use the fused small-M Triton GEMM
         # (precision.small_m_max; 0 = off).
         self.small_m_max = 64
-        # inference forwards above small_m_max rows: "tune" lets the static decoder pick cuBLAS's or DeepGEMM's
-        # block-FP8 GEMM per weight shape (precision.decode_gemm; gemm.tune_kernels), "cublas" keeps cuBLAS's
+        # inference forwards above small_m_max rows: "tune" lets the static decoder pick cuBLAS's, DeepGEMM's or the
+        # small-M Triton block-FP8 GEMM per weight shape (precision.decode_gemm; gemm.tune_kernels), "cublas" keeps
+        # cuBLAS's
         self.decode_gemm = "tune"
         # jet: FP8 in training and rollout. fp8_rollout: only inside ``rollout_precision()``.
         self.forward_fp8 = recipe.train_fp8
@@ -85,6 +86,12 @@ class FP8ModelState:
     def bump(self) -> None:
         """Invalidate every cached FP8 weight (call after the weights changed)."""
         self.version += 1
+
+    def small_m(self, M: int, N: int, K: int) -> bool:
+        """Whether an inference forward of ``M`` rows through an ``[N, K]`` FP8 weight runs the small-M Triton GEMM
+        (CUDA, ``scaled_mm`` backend, outside exact mode): up to ``small_m_max`` rows, and above them the shapes the
+        static decoder's tuning gave it (``gemm.tune_kernels``)."""
+        return M <= self.small_m_max or gemm.kernel_for(M, N, K) == "small_m"
 
     @contextlib.contextmanager
     def rollout_precision(self):
@@ -469,8 +476,8 @@ class FP8LinearMixin:
         exact = self.fp8_state.recipe.exact and exact_kernels(input)
         if exact and inv_perm is not None and self.hints.rollout_layout_output:
             raise RuntimeError("exact mode: the decoder calls its linears as the trainer does (no layout hints)")
-        if (not exact and not torch.is_grad_enabled() and input.is_cuda and M <= self.fp8_state.small_m_max
-                and self.fp8_backend == "scaled_mm"):  # decode: the fused small-M Triton GEMM
+        if (not exact and not torch.is_grad_enabled() and input.is_cuda and self.fp8_backend == "scaled_mm"
+                and self.fp8_state.small_m(M, *qweight.shape)):  # decode: the fused small-M Triton GEMM
             from megatron_jetrl.precision.quant import swiglu
             from megatron_jetrl.kernels.triton_gemm import small_m_linear
 

@@ -383,11 +383,12 @@ class StaticDecoder:
     def _input_quant(self, consumer, M: int, K: int):
         """(recipe, scales column-major) for the op producing ``consumer``'s ``[M, K]`` input to quantize it as the
         FP8 linear would (``fuse_norm_quant``), or (None, False): the small-M GEMM reads row-major scales,
-        cuBLAS's scaled_mm (more rows, ``norm_quant_cublas``) column-major ones."""
+        cuBLAS's scaled_mm and DeepGEMM (more rows, ``norm_quant_cublas``, unless the tuning gave the shape to the
+        small-M GEMM: ``FP8ModelState.small_m``) column-major ones."""
         state = getattr(consumer, "fp8_state", None)
         if (self.fuse_norm_quant and state is not None and consumer.fp8_active()
                 and consumer.fp8_backend == "scaled_mm" and K % state.recipe.group_size == 0):
-            if M <= state.small_m_max:
+            if state.small_m(M, *consumer.fp8_weight()[0].shape):
                 return state.recipe, False
             if self.norm_quant_cublas:
                 return state.recipe, True
@@ -629,10 +630,11 @@ class StaticDecoder:
 
     def _tune_gemms(self) -> None:
         """Before the first capture: where the decode step's FP8 linears run cuBLAS's block-FP8 GEMM (more than
-        ``precision.small_m_max`` rows, e.g. batch 256), time DeepGEMM's kernel against it per weight shape over
-        all layers' weights and keep the faster (``gemm.tune_kernels``; ``precision.decode_gemm=tune``, DeepGEMM
-        built: ``JETRL_DEEPGEMM_DIR``). On the H200 at 256 rows DeepGEMM took the 8B QKV, attention output projection
-        and fc2, cuBLAS kept fc1 (docs/benchmarks.md)."""
+        ``precision.small_m_max`` rows, e.g. batch 256 or a wave of 88), time DeepGEMM's kernel (where built:
+        ``JETRL_DEEPGEMM_DIR``) and the small-M Triton GEMM against it per weight shape over all layers' weights and
+        keep the fastest (``gemm.tune_kernels``; ``precision.decode_gemm=tune``). On the H200 at 256 rows DeepGEMM
+        took the 8B QKV, attention output projection and fc2, cuBLAS kept fc1; on the H100 at 88 rows the small-M
+        GEMM beat cuBLAS's on three of the four shapes (docs/benchmarks.md)."""
         from megatron_jetrl.precision.gemm import tune_kernels
         from megatron_jetrl.precision.linear import FP8LinearMixin
 
@@ -648,7 +650,7 @@ class StaticDecoder:
                 or self.exact):
             return
         t0 = time.perf_counter()
-        self.gemm_tuning = tune_kernels(self.B, weights)
+        self.gemm_tuning = tune_kernels(self.B, weights, state.recipe)
         if self.gemm_tuning:
             log.info("rollout decode: FP8 GEMM kernel per shape at batch %d (%.2f s): %s", self.B,
                      time.perf_counter() - t0, self.gemm_tuning)
