@@ -45,12 +45,14 @@ def megatron_single():
     yield
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def kernel_table():
-    """Leaves gemm's per-shape kernel table as it found it."""
+    """Every test leaves gemm's per-shape kernel table and tuning record (a static decoder on CUDA tunes its GEMMs
+    above ``small_m_max`` rows) as it found them; a test that sets the table asks for this fixture by name."""
     from megatron_jetrl.precision import gemm
 
-    saved = dict(gemm._KERNELS)
+    saved, tuned = dict(gemm._KERNELS), dict(gemm._TUNED)
     yield gemm
-    gemm._KERNELS.clear()
-    gemm._KERNELS.update(saved)
+    for table, was in ((gemm._KERNELS, saved), (gemm._TUNED, tuned)):
+        table.clear()
+        table.update(was)

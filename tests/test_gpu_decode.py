@@ -446,11 +446,16 @@ def test_decoder_tunes_the_small_m_gemm_above_small_m_max(mode, tmp_path, megatr
     prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (40,), generator=g)]
     params = SamplingParams(max_new_tokens=24, temperature=1.0)
     eng = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16)
-    eng.generate(prompts, params)
+    tuned_out = eng.generate(prompts, params)
     rows, tuning = eng._decoder.B, eng._decoder.gemm_tuning
     shapes = {tuple(m.fp8_weight()[0].shape) for m in model.modules() if getattr(m, "fp8_cache", None) is not None}
     assert rows > state.small_m_max and len(shapes) == 2
     assert {tuple(int(v) for v in k.split("x")[1:]) for k in tuning} == shapes
+    # a second decoder of that row count, eager, is not timed again: the first one's record and kernels, its draws
+    again = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=False)
+    for a, b in zip(again.generate(prompts, params), tuned_out):
+        assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
+    assert all(again._decoder.gemm_tuning[k] is v for k, v in tuning.items())
     for k, v in tuning.items():
         times = {n[:-3]: t for n, t in v.items() if n.endswith("_us")}
         assert times["cublas"] > 0 and times["small_m"] > 0

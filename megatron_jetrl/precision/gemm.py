@@ -125,6 +125,11 @@ def kernel_for(M: int, N: int, K: int) -> str:
     return _KERNELS.get((M, N, K), "cublas")
 
 
+_TUNED: dict[tuple[int, int, int], dict] = {}
+""":func:`tune_kernels`' record per (M, N, K) it timed: a GEMM is timed once per process, so every decoder of that row
+count (the next rollout's, an eager one beside a captured one) runs the kernel the first one chose."""
+
+
 def _graph_us(fn, reps: int = 20) -> float:
     """Median microseconds of one ``fn()`` replayed from a CUDA graph (warmed up eagerly on a side stream)."""
     s = torch.cuda.Stream()
@@ -157,8 +162,9 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
     model's layers: the weights stream from HBM as in a decode step) in one CUDA graph, and run the shape on the
     fastest from now on when it is more than ``min_gain`` faster than cuBLAS (:func:`set_kernel`). Same FP8 bytes
     and scales on every kernel; each rounds its fp32 sums to BF16 after adding them in its own order. CUDA only
-    (elsewhere nothing is timed). Returns ``{"MxNxK": {"cublas_us", "deepgemm_us", "small_m_us", "kernel"}}`` per
-    shape timed (microseconds per weight; a kernel not timed has no entry)."""
+    (elsewhere nothing is timed); a shape timed before at ``M`` rows in this process is not timed again (its record
+    is returned; the table is left as it is). Returns ``{"MxNxK": {"cublas_us", "deepgemm_us", "small_m_us",
+    "kernel"}}`` per shape (microseconds per weight; a kernel not timed has no entry)."""
     from megatron_jetrl.kernels import deepgemm
 
     out: dict[str, dict] = {}
@@ -169,6 +175,9 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
     if dev.type != "cuda" or not (with_dg or recipe is not None):
         return out
     for (N, K), ws in weights.items():
+        if (M, N, K) in _TUNED:
+            out[f"{M}x{N}x{K}"] = _TUNED[(M, N, K)]
+            continue
         xq = (torch.randn(M, K, device=dev) * 100).to(torch.float8_e4m3fn)
         xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it for cuBLAS
         run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
@@ -191,7 +200,8 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
         best = min(times, key=times.get)
         kernel = best if times[best] < (1 - min_gain) * times["cublas"] else "cublas"
         set_kernel(M, N, K, kernel)
-        out[f"{M}x{N}x{K}"] = {**{f"{k}_us": round(v, 2) for k, v in times.items()}, "kernel": kernel}
+        out[f"{M}x{N}x{K}"] = _TUNED[(M, N, K)] = {**{f"{k}_us": round(v, 2) for k, v in times.items()},
+                                                    "kernel": kernel}
     return out
 
 

@@ -616,6 +616,8 @@ class StaticDecoder:
         (a static buffer when graphs are on: consume it before the next step)."""
         self.ids.copy_(ids)
         Lb = self.bucket_len(self._host_pos + 1)
+        if not self._gemm_tuned and self.device.type == "cuda":  # before the first step, eager or captured
+            self._tune_gemms()
         if not self.use_graphs:
             out = self._step_eager(Lb)
         else:
@@ -629,7 +631,7 @@ class StaticDecoder:
         return out
 
     def _tune_gemms(self) -> None:
-        """Before the first capture: where the decode step's FP8 linears run cuBLAS's block-FP8 GEMM (more than
+        """Before the first decode step: where the decode step's FP8 linears run cuBLAS's block-FP8 GEMM (more than
         ``precision.small_m_max`` rows, e.g. batch 256 or a wave of 88), time DeepGEMM's kernel (where built:
         ``JETRL_DEEPGEMM_DIR``) and the small-M Triton GEMM against it per weight shape over all layers' weights and
         keep the fastest (``gemm.tune_kernels``; ``precision.decode_gemm=tune``). On the H200 at 256 rows DeepGEMM
@@ -660,8 +662,6 @@ class StaticDecoder:
         The warm-up writes the KV column and mask bit at the current position with the current ids:
         exactly what the replay that follows writes, so nothing needs restoring."""
         t0 = time.perf_counter()
-        if not self._gemm_tuned:
-            self._tune_gemms()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
