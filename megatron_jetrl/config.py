@@ -219,11 +219,11 @@ class PrecisionConfig:
     """Static-decoder forwards above ``small_m_max`` rows (a 256-row rollout batch, a wave of 88 rows): ``tune``
     times cuBLAS's block-FP8 GEMM against the small-M Triton GEMM and DeepGEMM's (``kernels/deepgemm.py``; built
     with ``tools/build_deepgemm_sm90.py``, found through ``JETRL_DEEPGEMM_DIR``; without it, not timed) per weight
-    shape at the decoder's row count, over all layers' weights, before the decoder's first CUDA-graph capture, and
-    runs each shape on the fastest (another kernel than cuBLAS only when more than 3% faster); ``cublas`` always
-    cuBLAS. Same FP8 bytes and scales on every kernel; they round the fp32 accumulator to BF16 after summing in
-    different orders (docs/benchmarks.md, "In-process rollout": the rollout time with and without; "Full RL step":
-    the mismatch; "Rollouts past the GPU's memory": the small-M GEMM at 88 and 128 rows)."""
+    shape at the decoder's row count, over all layers' weights, before the decoder's first step (once per row count
+    and shape in a process), and runs each shape on the fastest (another kernel than cuBLAS only when more than 3%
+    faster); ``cublas`` always cuBLAS. Same FP8 bytes and scales on every kernel; they round the fp32 accumulator to
+    BF16 after summing in different orders (docs/benchmarks.md, "In-process rollout": the rollout time with and
+    without; "Full RL step": the mismatch; "Rollouts past the GPU's memory": the small-M GEMM at 88 and 128 rows)."""
     fuse_swiglu: bool = True
     """Gated MLPs, every mode: FP8 fc2 runs the SwiGLU inside its activation quantizer (one pass over
     fc1's output, no BF16 activation written; same FP8 bytes as the unfused ops); BF16 fc2 gets a

@@ -178,8 +178,9 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
         if (M, N, K) in _TUNED:
             out[f"{M}x{N}x{K}"] = _TUNED[(M, N, K)]
             continue
-        xq = (torch.randn(M, K, device=dev) * 100).to(torch.float8_e4m3fn)
-        xs = (torch.rand(K // 128, M, device=dev) + 0.5).t()  # column-major, as the quantizers write it for cuBLAS
+        g = torch.Generator(device=dev).manual_seed(0)  # the operands' values do not matter; the global RNG stays
+        xq = (torch.randn(M, K, device=dev, generator=g) * 100).to(torch.float8_e4m3fn)
+        xs = (torch.rand(K // 128, M, device=dev, generator=g) + 0.5).t()  # column-major, as cuBLAS reads it
         run = lambda: [_scaled_mm(xq, xs, q, sc, torch.bfloat16, 128) for q, sc in ws]  # noqa: E731
         set_kernel(M, N, K, "cublas")
         times = {"cublas": _graph_us(run) / len(ws)}
