@@ -7,43 +7,38 @@ from megatron_jetrl.precision.quant import (quantize_act,
                                             quantize_weight)
 from megatron_jetrl.precision.recipe import FP8Recipe
 
-def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch):
+def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch, kernel_table):
     """The per-shape kernel table (cuBLAS unless a shape is set to DeepGEMM or the small-M GEMM), its validation,
     the FP8 linears' small-M rule (up to ``small_m_max`` rows, and the shapes the table gives it), and DeepGEMM's
     availability answers: unset directory, a directory without the build, not CUDA; tuning on CPU changes
-    nothing."""
+    nothing. (``kernel_table`` restores the table.)"""
     from megatron_jetrl.kernels import deepgemm
-    from megatron_jetrl.precision import gemm
     from megatron_jetrl.precision.linear import FP8ModelState
 
-    saved = dict(gemm._KERNELS)
-    try:
-        assert gemm.kernel_for(256, 4096, 4096) == "cublas"
-        gemm.set_kernel(256, 4096, 4096, "deepgemm")
-        assert gemm.kernel_for(256, 4096, 4096) == "deepgemm" and gemm.kernel_for(255, 4096, 4096) == "cublas"
-        gemm.set_kernel(256, 4096, 4096, "cublas")
-        assert (256, 4096, 4096) not in gemm._KERNELS
-        with pytest.raises(ValueError, match="use one of cublas, deepgemm, small_m"):
-            gemm.set_kernel(1, 2, 3, "cutlass")
-        state = FP8ModelState(FP8Recipe())
-        assert state.small_m(64, 4096, 4096) and not state.small_m(88, 4096, 4096)
-        gemm.set_kernel(88, 4096, 4096, "small_m")
-        assert state.small_m(88, 4096, 4096) and not state.small_m(88, 4096, 14336) and not state.small_m(96, 4096, 4096)
-        state.small_m_max = 0
-        assert state.small_m(88, 4096, 4096) and not state.small_m(64, 4096, 4096)
-        # a table entry never reaches the emulated backend: the same result as without it
-        recipe = FP8Recipe()
-        xq, xs = quantize_act(torch.randn(8, 256), recipe)
-        qw, sw = quantize_weight(torch.randn(128, 256), recipe)
-        ref = block_gemm(xq, xs, qw, sw, "emulated")
-        gemm.set_kernel(8, 128, 256, "deepgemm")
-        assert torch.equal(block_gemm(xq, xs, qw, sw, "emulated"), ref)
-        before = dict(gemm._KERNELS)
-        for recipe_arg in (None, recipe):  # CPU: nothing timed, nothing set, with or without the small-M candidate
-            assert gemm.tune_kernels(8, {(128, 256): [(qw, sw)]}, recipe_arg) == {} and gemm._KERNELS == before
-    finally:
-        gemm._KERNELS.clear()
-        gemm._KERNELS.update(saved)
+    gemm = kernel_table
+    assert gemm.kernel_for(256, 4096, 4096) == "cublas"
+    gemm.set_kernel(256, 4096, 4096, "deepgemm")
+    assert gemm.kernel_for(256, 4096, 4096) == "deepgemm" and gemm.kernel_for(255, 4096, 4096) == "cublas"
+    gemm.set_kernel(256, 4096, 4096, "cublas")
+    assert (256, 4096, 4096) not in gemm._KERNELS
+    with pytest.raises(ValueError, match="use one of cublas, deepgemm, small_m"):
+        gemm.set_kernel(1, 2, 3, "cutlass")
+    state = FP8ModelState(FP8Recipe())
+    assert state.small_m(64, 4096, 4096) and not state.small_m(88, 4096, 4096)
+    gemm.set_kernel(88, 4096, 4096, "small_m")
+    assert state.small_m(88, 4096, 4096) and not state.small_m(88, 4096, 14336) and not state.small_m(96, 4096, 4096)
+    state.small_m_max = 0
+    assert state.small_m(88, 4096, 4096) and not state.small_m(64, 4096, 4096)
+    # a table entry never reaches the emulated backend: the same result as without it
+    recipe = FP8Recipe()
+    xq, xs = quantize_act(torch.randn(8, 256), recipe)
+    qw, sw = quantize_weight(torch.randn(128, 256), recipe)
+    ref = block_gemm(xq, xs, qw, sw, "emulated")
+    gemm.set_kernel(8, 128, 256, "deepgemm")
+    assert torch.equal(block_gemm(xq, xs, qw, sw, "emulated"), ref)
+    before = dict(gemm._KERNELS)
+    for recipe_arg in (None, recipe):  # CPU: nothing timed, nothing set, with or without the small-M candidate
+        assert gemm.tune_kernels(8, {(128, 256): [(qw, sw)]}, recipe_arg) == {} and gemm._KERNELS == before
     monkeypatch.delenv(deepgemm.ENV_DIR, raising=False)
     ok, why = deepgemm.available(torch.device("cpu"))
     assert not ok and "JETRL_DEEPGEMM_DIR is unset" in why and "build_deepgemm_sm90.py" in why
