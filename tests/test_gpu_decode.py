@@ -382,25 +382,37 @@ def test_fused_sampler_draws_softmax_and_logprobs():
     assert fused_sampling(x, SamplingParams(temperature=1.0)) and not fused_sampling(x, SamplingParams(top_p=0.9))
 
 
-def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_table, monkeypatch):
-    """The static decoder above ``small_m_max`` rows times cuBLAS against DeepGEMM for each FP8 weight shape
-    before its first capture and records both; with DeepGEMM forced on every shape its graph replays draw the
-    tokens and logprobs of the same decoder run eagerly (which calls DeepGEMM: counted)."""
-    dg = deepgemm_or_skip()
+def _tiny_tuned_decoder(tmp_path, overrides: list[str], small_m_max: int):
+    """The tiny qwen3 model loaded in BF16 with ``overrides``, its FP8 state at ``small_m_max``, 40 prompts of 3-19
+    tokens, sampling for 24 tokens at temperature 1, and a ``LocalEngine`` factory over them (``cuda_graphs``)."""
     from megatron_jetrl.rollout.base import SamplingParams
     from megatron_jetrl.rollout.local import LocalEngine
     from tests.hf_models import make_hf_model
     from tests.workers import build_loaded
 
     make_hf_model("qwen3", str(tmp_path))
-    _, model, state = build_loaded(str(tmp_path), ["precision.mode=jet"], backend="auto")
+    _, model, state = build_loaded(str(tmp_path), overrides, backend="auto")
     model = model.bfloat16()
     state.bump()
-    state.small_m_max = 0  # every decode GEMM on the cuBLAS path, where the table applies
+    state.small_m_max = small_m_max
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (40,), generator=g)]
     params = SamplingParams(max_new_tokens=24, temperature=1.0)
-    eng = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16)
+
+    def engine(cuda_graphs: bool = True) -> LocalEngine:
+        return LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=cuda_graphs)
+
+    return model, state, prompts, params, engine
+
+
+def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_table, monkeypatch):
+    """The static decoder above ``small_m_max`` rows times cuBLAS against DeepGEMM for each FP8 weight shape
+    before its first capture and records both; with DeepGEMM forced on every shape its graph replays draw the
+    tokens and logprobs of the same decoder run eagerly (which calls DeepGEMM: counted)."""
+    dg = deepgemm_or_skip()
+    # small_m_max 0: every decode GEMM on the cuBLAS path, where the table applies
+    model, state, prompts, params, engine = _tiny_tuned_decoder(tmp_path, ["precision.mode=jet"], 0)
+    eng = engine()
     eng.generate(prompts, params)
     tuning = eng._decoder.gemm_tuning
     shapes = {tuple(m.fp8_weight()[0].shape) for m in model.modules() if getattr(m, "fp8_cache", None) is not None}
@@ -415,8 +427,7 @@ def test_decoder_tunes_and_replays_deepgemm(tmp_path, megatron_single, kernel_ta
     calls = []
     real = dg.gemm
     monkeypatch.setattr(dg, "gemm", lambda *a: calls.append(1) or real(*a))
-    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
-               for gr in (False, True)}
+    engines = {gr: engine(gr) for gr in (False, True)}
     outs = {gr: engines[gr].generate(prompts, params) for gr in engines}
     assert engines[True]._decoder.B == rows and engines[True]._decoder.gemm_tuning == {} and calls
     for a, b in zip(outs[True], outs[False]):
@@ -432,27 +443,16 @@ def test_decoder_tunes_the_small_m_gemm_above_small_m_max(mode, tmp_path, megatr
     decoder whose ``small_m_max`` covers the batch (the same kernel by the row rule), bit for bit."""
     from megatron_jetrl.bench.timing import mode_overrides
     from megatron_jetrl.kernels import triton_gemm
-    from megatron_jetrl.rollout.base import SamplingParams
-    from megatron_jetrl.rollout.local import LocalEngine
-    from tests.hf_models import make_hf_model
-    from tests.workers import build_loaded
 
-    make_hf_model("qwen3", str(tmp_path))
-    _, model, state = build_loaded(str(tmp_path), mode_overrides(mode), backend="auto")
-    model = model.bfloat16()
-    state.bump()
-    state.small_m_max = 16
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 384, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (40,), generator=g)]
-    params = SamplingParams(max_new_tokens=24, temperature=1.0)
-    eng = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16)
+    model, state, prompts, params, engine = _tiny_tuned_decoder(tmp_path, mode_overrides(mode), 16)
+    eng = engine()
     tuned_out = eng.generate(prompts, params)
     rows, tuning = eng._decoder.B, eng._decoder.gemm_tuning
     shapes = {tuple(m.fp8_weight()[0].shape) for m in model.modules() if getattr(m, "fp8_cache", None) is not None}
     assert rows > state.small_m_max and len(shapes) == 2
     assert {tuple(int(v) for v in k.split("x")[1:]) for k in tuning} == shapes
     # a second decoder of that row count, eager, is not timed again: the first one's record and kernels, its draws
-    again = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=False)
+    again = engine(False)
     for a, b in zip(again.generate(prompts, params), tuned_out):
         assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
     assert all(again._decoder.gemm_tuning[k] is v for k, v in tuning.items())
@@ -469,14 +469,13 @@ def test_decoder_tunes_the_small_m_gemm_above_small_m_max(mode, tmp_path, megatr
     real = triton_gemm.small_m_linear
     rows_of = lambda x: x.numel() // x.shape[-1]  # noqa: E731
     monkeypatch.setattr(triton_gemm, "small_m_linear", lambda *a, **kw: calls.append(rows_of(a[0])) or real(*a, **kw))
-    engines = {gr: LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16, cuda_graphs=gr)
-               for gr in (False, True)}
+    engines = {gr: engine(gr) for gr in (False, True)}
     outs = {gr: engines[gr].generate(prompts, params) for gr in engines}
     assert engines[True]._decoder.B == rows and engines[True]._decoder.gemm_tuning == {} and rows in calls
     for n, k in shapes:  # the same kernel by the row rule
         kernel_table.set_kernel(rows, n, k, "cublas")
     state.small_m_max = rows
-    by_rule = LocalEngine(model, state, pad_id=0, vocab_size=384, seed=3, bucket=16).generate(prompts, params)
+    by_rule = engine().generate(prompts, params)
     for a, b, c in zip(outs[True], outs[False], by_rule):
         assert a.output_ids == b.output_ids == c.output_ids
         assert a.output_logprobs == b.output_logprobs == c.output_logprobs
