@@ -167,6 +167,22 @@ def same_bytes(a, b):
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def first_kv_difference(a, b) -> int:
+    """The first key at which two FP8 KV caches of one row differ: ``a`` and ``b`` hold the same tensors (K and V
+    bytes [layers, groups, keys, d], their scales [layers, groups, keys]), compared byte for byte in every layer, group
+    and element; the number of keys where none differs. Outside exact mode the two sides' K/V differ in last bits
+    from the second layer on, and the KV rule turns a few such differences into whole E4M3 steps: from that key on,
+    every later token attends over different values."""
+    keys = a[0].shape[2]
+    differ = torch.zeros(keys, dtype=torch.bool)
+    for x, y in zip(a, b, strict=True):
+        x, y = x.contiguous(), y.contiguous()
+        if x.element_size() == 1:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        differ |= (x != y).transpose(0, 2).reshape(keys, -1).any(1)
+    return int(differ.nonzero()[0]) if differ.any() else keys
+
+
 def deepgemm_or_skip():
     from megatron_jetrl.kernels import deepgemm
 
