@@ -224,14 +224,30 @@ _interpreter.np = _np
 """
 
 
-def run_interpreted(code: str, *args: str, cwd: str | None = None) -> None:
+def run_interpreted(code: str, *args: str, cwd: str | None = None, each: tuple[tuple[str, ...], ...] = ()) -> None:
     """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
-    Triton is imported, hence a subprocess), its dots row by row (``_INTERPRETER_DOT``); it passes
-    when it exits 0 after printing ``ok``."""
+    Triton is imported, hence a subprocess), its dots row by row (``_INTERPRETER_DOT``), with the arguments
+    ``args``, or once per argument tuple of ``each``, those processes at the same time (the interpreter keeps one
+    core busy); it passes when every process exits 0 after printing ``ok``."""
     import subprocess
     import sys
+    import tempfile
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", _INTERPRETER_DOT + code, *args], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=cwd)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    if len(each) > 1:  # one thread per process: the processes share the cores
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    runs = []
+    for argv in each or (args,):
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: no process waits on a full pipe while another runs
+        runs.append((argv, log, subprocess.Popen([sys.executable, "-c", _INTERPRETER_DOT + code, *argv], env=env,
+                                                 stdout=log, stderr=subprocess.STDOUT, text=True, cwd=cwd)))
+    try:
+        for argv, log, proc in runs:
+            rc = proc.wait(timeout=600)
+            log.seek(0)
+            out = log.read()
+            assert rc == 0 and out.strip().endswith("ok"), (argv, out[-3000:])
+    finally:
+        for _, log, proc in runs:
+            proc.kill()
+            log.close()

@@ -305,16 +305,15 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers(mode, tmp_path, megatron
     assert worst[False] > 0, worst
 
 
-@pytest.mark.parametrize("mode", ["jet", "jet+fp8kv"])
-def test_exact_mode_static_decoder_on_the_exact_kernels_under_the_interpreter(mode, tmp_path):
+def test_exact_mode_static_decoder_on_the_exact_kernels_under_the_interpreter(tmp_path):
     """Exact mode's GPU design run by Triton's CPU interpreter (fp32: its BF16 is not the GPU's): the static decoder
     with the KV cache, no fusions, prefill and decode steps on ``kernels/exact_attn.py`` (over the cache indexed by
     each left-padded row's own positions), the linears' GEMMs and the LM head on ``kernels/exact_gemm.py``; the
     trainer's forward on the same kernels (micro-batches of 3, no common padded length). Every sampled token's logprob
-    equals the trainer's, bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 6 new tokens (the FP8 KV
-    cache too); the exact kernels are the ones called; a prefill in chunks of 5 rows gives the same tokens and
-    logprobs (FP8 KV cache, 2 new tokens). With the decode steps' key blocks of 16 instead of the trainer's 64 the logprobs differ
-    (the key order is what makes it exact)."""
+    equals the trainer's, bit for bit, for batches of 2 and 9 prompts of 3-19 tokens and 6 new tokens, in jet and in
+    jet with the FP8 KV cache (one process each, at the same time); the exact kernels are the ones called; a prefill
+    in chunks of 5 rows gives the same tokens and logprobs (FP8 KV cache, 2 new tokens). With the decode steps' key
+    blocks of 16 instead of the trainer's 64 the logprobs differ (the key order is what makes it exact)."""
     make_hf_model("qwen3", str(tmp_path), seed=9)
     code = r'''
 import sys, torch
@@ -356,7 +355,7 @@ exact_attn.exact_attention = lambda *a, **k: orig(*a, **(dict(k, plan=(16, 4, 2,
 assert rollout_train_gap(engine, model, prompts, params, 3, True) > 0
 print("ok")
 '''
-    run_interpreted(code, str(tmp_path), mode, cwd=REPO)
+    run_interpreted(code, cwd=REPO, each=((str(tmp_path), "jet"), (str(tmp_path), "jet+fp8kv")))
 
 
 def test_exact_mode_static_decoder_refuses_moe(tmp_path, megatron_single):
