@@ -117,8 +117,8 @@ def test_fp8_kv_cache_holds_the_trainers_keys_and_values(model_type, tmp_path, m
             agree = n + steps  # the trainer's first position whose K/V bytes differ from the cache's (FP8 KV)
             if kv == "fp8":  # the cache after the decode steps against the rule's bytes of the trainer's K/V
                 ours = [t[:, r, :, P - n:P + steps] for t in (dec.k, dec.v, dec.ks, dec.vs)]
-                rule = [quantize_kv(x[:, 0].transpose(0, 1), state.recipe) for k, v, _ in per_row[r] for x in (k, v)]
-                theirs = [torch.stack([q[i] for q in rule[j::2]]) for j, i in ((0, 0), (1, 0), (0, 1), (1, 1))]
+                kq, vq = ([quantize_kv(t[i][:, 0].transpose(0, 1), state.recipe) for t in per_row[r]] for i in (0, 1))
+                theirs = [torch.stack([x[i] for x in layers]) for i in (0, 1) for layers in (kq, vq)]  # K, V, scales
                 agree = first_kv_difference(ours, theirs)
             for li, (k, v, out) in enumerate(per_row[r]):  # k, v [n + steps, 1, groups, d] (after RoPE)
                 j = min(n, agree)  # the prompt's positions whose keys and values are the same bytes so far
