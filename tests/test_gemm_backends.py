@@ -10,8 +10,8 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch, kernel_table):
     """The per-shape kernel table (cuBLAS unless a shape is set to DeepGEMM or the small-M GEMM), its validation,
     the FP8 linears' small-M rule (up to ``small_m_max`` rows, and the shapes the table gives it), and DeepGEMM's
-    availability answers: unset directory, a directory without the build, not CUDA; tuning on CPU changes
-    nothing. (``kernel_table`` restores the table.)"""
+    availability answers: unset directory, a directory without the build, not CUDA; tuning on CPU times and sets
+    nothing but the kernels of shapes it recorded before. (``kernel_table`` restores the table.)"""
     from megatron_jetrl.kernels import deepgemm
     from megatron_jetrl.precision.linear import FP8ModelState
 
@@ -39,6 +39,11 @@ def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch, kern
     before = dict(gemm._KERNELS)
     for recipe_arg in (None, recipe):  # CPU: nothing timed, nothing set, with or without the small-M candidate
         assert gemm.tune_kernels(8, {(128, 256): [(qw, sw)]}, recipe_arg) == {} and gemm._KERNELS == before
+    # a shape timed before at these rows is not timed again: its record comes back and the table is set from it,
+    # over a kernel set by hand since (the record stands in for a GPU's timing)
+    gemm._TUNED[(8, 128, 256)] = record = {"cublas_us": 9.0, "small_m_us": 6.0, "kernel": "small_m"}
+    got = gemm.tune_kernels(8, {(128, 256): [(qw, sw)], (256, 128): [(qw.t().contiguous(), sw.t().contiguous())]}, recipe)
+    assert got == {"8x128x256": record} and got["8x128x256"] is record and gemm.kernel_for(8, 128, 256) == "small_m"
     monkeypatch.delenv(deepgemm.ENV_DIR, raising=False)
     ok, why = deepgemm.available(torch.device("cpu"))
     assert not ok and "JETRL_DEEPGEMM_DIR is unset" in why and "build_deepgemm_sm90.py" in why

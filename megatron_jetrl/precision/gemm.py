@@ -162,12 +162,17 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
     model's layers: the weights stream from HBM as in a decode step) in one CUDA graph, and run the shape on the
     fastest from now on when it is more than ``min_gain`` faster than cuBLAS (:func:`set_kernel`). Same FP8 bytes
     and scales on every kernel; each rounds its fp32 sums to BF16 after adding them in its own order. CUDA only
-    (elsewhere nothing is timed); a shape timed before at ``M`` rows in this process is not timed again (its record
-    is returned; the table is left as it is). Returns ``{"MxNxK": {"cublas_us", "deepgemm_us", "small_m_us",
-    "kernel"}}`` per shape (microseconds per weight; a kernel not timed has no entry)."""
+    (elsewhere nothing is timed); a shape timed before at ``M`` rows in this process is not timed again: its record
+    is returned and the table set from it (a kernel set by hand since then is replaced). Returns ``{"MxNxK":
+    {"cublas_us", "deepgemm_us", "small_m_us", "kernel"}}`` per shape (microseconds per weight; a kernel not timed
+    has no entry)."""
     from megatron_jetrl.kernels import deepgemm
 
     out: dict[str, dict] = {}
+    for N, K in [nk for nk in weights if (M, *nk) in _TUNED]:
+        set_kernel(M, N, K, _TUNED[(M, N, K)]["kernel"])
+        out[f"{M}x{N}x{K}"] = _TUNED[(M, N, K)]
+    weights = {nk: ws for nk, ws in weights.items() if (M, *nk) not in _TUNED}
     if not weights:
         return out
     dev = next(iter(weights.values()))[0][0].device
@@ -175,9 +180,6 @@ def tune_kernels(M: int, weights: dict[tuple[int, int], list[tuple[torch.Tensor,
     if dev.type != "cuda" or not (with_dg or recipe is not None):
         return out
     for (N, K), ws in weights.items():
-        if (M, N, K) in _TUNED:
-            out[f"{M}x{N}x{K}"] = _TUNED[(M, N, K)]
-            continue
         g = torch.Generator(device=dev).manual_seed(0)  # the operands' values do not matter; the global RNG stays
         xq = (torch.randn(M, K, device=dev, generator=g) * 100).to(torch.float8_e4m3fn)
         xs = (torch.rand(K // 128, M, device=dev, generator=g) + 0.5).t()  # column-major, as cuBLAS reads it
