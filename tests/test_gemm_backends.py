@@ -40,10 +40,12 @@ def test_gemm_kernel_table_and_deepgemm_availability(tmp_path, monkeypatch, kern
     for recipe_arg in (None, recipe):  # CPU: nothing timed, nothing set, with or without the small-M candidate
         assert gemm.tune_kernels(8, {(128, 256): [(qw, sw)]}, recipe_arg) == {} and gemm._KERNELS == before
     # a shape timed before at these rows is not timed again: its record comes back and the table is set from it,
-    # over a kernel set by hand since (the record stands in for a GPU's timing)
+    # over the kernel set by hand above (the record stands in for a GPU's timing); an unrecorded shape is left alone
+    assert gemm.kernel_for(8, 128, 256) == "deepgemm"
     gemm._TUNED[(8, 128, 256)] = record = {"cublas_us": 9.0, "small_m_us": 6.0, "kernel": "small_m"}
     got = gemm.tune_kernels(8, {(128, 256): [(qw, sw)], (256, 128): [(qw.t().contiguous(), sw.t().contiguous())]}, recipe)
     assert got == {"8x128x256": record} and got["8x128x256"] is record and gemm.kernel_for(8, 128, 256) == "small_m"
+    assert gemm.kernel_for(8, 256, 128) == "cublas"
     monkeypatch.delenv(deepgemm.ENV_DIR, raising=False)
     ok, why = deepgemm.available(torch.device("cpu"))
     assert not ok and "JETRL_DEEPGEMM_DIR is unset" in why and "build_deepgemm_sm90.py" in why
