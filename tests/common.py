@@ -192,23 +192,24 @@ def deepgemm_or_skip():
     return deepgemm
 
 
-# Prepended to every interpreted program: the interpreter's ``tl.dot`` with a tensor-core MMA's row property, a row's
-# output bits a function of that row and the other operand alone (each row is its own one-row product). The
-# interpreter calls the host BLAS's ``matmul`` on the whole tile, whose kernels may round a row by where it sits in
-# the tile (OpenBLAS's Haswell/Zen kernels do: a row moved to another place in a 16-row tile changes its last bits);
-# the exact-mode kernels' tests compare a decode step's one-query tile with the training forward's many-query tile
-# bit for bit.
+# Prepended to every interpreted program: the interpreter's ``tl.dot`` with a tensor-core MMA's element property, an
+# output element's bits a function of its row of the first operand and its column of the second alone, whichever
+# operand holds which (each element the products of its k-ordered pairs, summed in k order). The interpreter calls the
+# host BLAS's ``matmul`` on the whole tile, whose kernels may round a row by where it sits in the tile (OpenBLAS's
+# Haswell/Zen kernels do: a row moved to another place in a 16-row tile changes its last bits); the exact-mode
+# kernels' tests compare a decode step's one-query tile with the training forward's many-query tile bit for bit, and
+# the key-major decode kernel's transposed products (S^T = K q^T) with the trainer's (S = q K^T).
 _INTERPRETER_DOT = """
 import numpy as _numpy, types as _types
 import triton.runtime.interpreter as _interpreter
 
 
-def _row_by_row_matmul(a, b, dtype=None):
+def _elementwise_matmul(a, b, dtype=None):
     dt = _numpy.dtype(dtype) if dtype is not None else _numpy.result_type(a, b)
     a, b = a.astype(dt), b.astype(dt)
-    out = _numpy.zeros(a.shape[:-1] + b.shape[-1:], dt)  # a zero row (a masked one): +0, as an MMA gives it
-    for i in zip(*_numpy.nonzero(a.any(axis=-1))):
-        out[i] = _numpy.matmul(a[i][None], b if b.ndim == 2 else b[i[:-1]])[0]
+    out = _numpy.zeros(_numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), dt)
+    for k in range(a.shape[-1]):  # from +0 (a zero row gives +0, as an MMA's does), the products added in k order:
+        out += a[..., :, k:k + 1] * b[..., k:k + 1, :]  # the same for A.B and (B^T.A^T)^T
     return out
 
 
@@ -219,14 +220,14 @@ class _Numpy(_types.ModuleType):
 
 assert _interpreter.np is _numpy, "Triton's interpreter no longer calls numpy as np: patch its dot elsewhere"
 _np = _Numpy("numpy")
-_np.__dict__.update(vars(_numpy), matmul=_row_by_row_matmul)
+_np.__dict__.update(vars(_numpy), matmul=_elementwise_matmul)
 _interpreter.np = _np
 """
 
 
 def run_interpreted(code: str, *args: str, cwd: str | None = None, each: tuple[tuple[str, ...], ...] = ()) -> None:
     """Run ``code`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
-    Triton is imported, hence a subprocess), its dots row by row (``_INTERPRETER_DOT``), with the arguments
+    Triton is imported, hence a subprocess), its dots element by element in k order (``_INTERPRETER_DOT``), with the arguments
     ``args``, or once per argument tuple of ``each``, those processes at the same time (the interpreter keeps one
     core busy); it passes when every process exits 0 after printing ``ok``."""
     import subprocess

@@ -77,8 +77,10 @@ def test_exact_attention_plans_of_decoder_and_trainer_run_one_tensor_core_instru
     trainer's (``TRAIN_PLAN``: eight positions, 32 rows) because both compile to the same warp-level MMA (mma.sync:
     a row's products summed by the same instruction chain whatever the tile's other rows), measured equal on the
     H200; 64 rows per program compile to warpgroup MMAs (wgmma), which gave other bits. The plans of the decoder
-    and the trainer must stay below that switch."""
-    from megatron_jetrl.kernels.exact_attn import BLOCK_N, NUM_STAGES, NUM_WARPS, TRAIN_PLAN, tile_rows
+    and the trainer must stay below that switch, and so must the key-major decode kernel's (the FP8 cache's decode
+    steps: 64-key tiles as the MMAs' rows, under 4 warps)."""
+    from megatron_jetrl.kernels.exact_attn import (BLOCK_N, DECODE_KEYS_PLAN, NUM_STAGES, NUM_WARPS, TRAIN_PLAN,
+                                                   tile_rows)
 
     ks = _kernel_sass()
     block_n, warps, stages, rows = TRAIN_PLAN
@@ -88,3 +90,10 @@ def test_exact_attention_plans_of_decoder_and_trainer_run_one_tensor_core_instru
     for name, mix in (("decoder", decoder), ("trainer", trainer)):
         assert mix["HMMA"] and not mix["HGMMA"], (name, mix)
     assert wide["HGMMA"] and not wide["HMMA"], wide
+    if kv == "fp8":  # a decode step over the FP8 cache: the key-major kernel, whose 64-key and 128-feature tiles
+        # compile to warpgroup MMAs from 4 warps on; its plan stays under that
+        warps, stages = DECODE_KEYS_PLAN
+        keys = ks.decode_attn_plan(f"fp8keys:{BLOCK_N}:{warps}:{stages}:8", exact=True)["mix"]
+        four = ks.decode_attn_plan(f"fp8keys:{BLOCK_N}:4:{stages}:8", exact=True)["mix"]
+        assert warps < 4 and keys["HMMA"] and not keys["HGMMA"], keys
+        assert four["HGMMA"], four

@@ -601,9 +601,10 @@ def test_exact_mode_kernels_under_the_interpreter():
     in the training call over the whole sequence, at and around the 64-key block edges, and in a left-padded
     prefill (queries at negative positions, the pads, get 0) whose tiles are not the training call's, and in the
     trainer's 32-row tiles (``TRAIN_PLAN``: rows of 8 positions where the decoder's hold 1; the interpreter's dots
-    row by row, as an MMA's rows are); the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales
+    element by element, as an MMA's are); the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales
     (V key-major, as the caches hold it, or not) give the bytes of the dequantized values (fp32; with a 16-bit q,
-    the GPU's fp16 form, their attention to fp16 rounding, and a decoded query the trainer's call's bytes). The
+    the GPU's fp16 form, their attention to fp16 rounding); a query decoded over the FP8 cache, on the key-major
+    decode kernel, has the trainer's call's bytes and the head-major kernel's (fp32 and 16-bit q). The
     GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at 1-129 rows (one program
     per K segment) are those of the 300-row call with the segments summed in the program (also in a plan whose
     column tiles span several weight blocks), and the product is the reference's to fp32 rounding. Autograd: the
@@ -612,6 +613,7 @@ def test_exact_mode_kernels_under_the_interpreter():
     gradients are SDPA's."""
     code = r'''
 import torch, torch.nn.functional as F
+from megatron_jetrl.kernels import exact_attn
 from megatron_jetrl.kernels.exact_attn import TRAIN_PLAN, exact_attention, key_major
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm, segments
 from megatron_jetrl.precision.quant import (dequantize_act, dequantize_blocks, dequantize_kv, quantize_act,
@@ -664,14 +666,34 @@ od = exact_attention(q, dequantize_kv(kc, ks, torch.float32), dequantize_kv(vc, 
 assert torch.equal(o8, od) and torch.equal(exact_attention(q, kc, vc.contiguous(), D ** -0.5, zero, ks, vs), o8)
 # the GPU's form of the FP8 variant (a 16-bit q: fp16 tensor cores, the scales on scores and weights): the dequantized
 # values' attention to fp16 rounding, and a query decoded over the cache has the bytes of the trainer's call over the
-# sequence's own bytes (32-row tiles)
+# sequence's own bytes (32-row tiles); a decode step over the FP8 cache runs the key-major kernel (S^T = K q^T), and
+# gives the bytes of the head-major kernel's one-query tile too, fp32 and 16-bit
 q16 = q.half()
 assert (exact_attention(q16, kc, vc, D ** -0.5, zero, ks, vs).float() - o8).abs().max() < 1e-2
-train16 = exact_attention(q16, kt8, key_major(vt8), D ** -0.5, zero, kts, vts, plan=TRAIN_PLAN)
-for i in (0, 63, 64, S - 1):
-    kc, vc, ks, vs = cache(i, fp8=True)
-    out = exact_attention(q16[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i), ks, vs)
-    assert torch.equal(out[0], train16[i]), i
+launched = []
+
+
+class _Launches:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launched.append(grid)
+        return self.kernel[grid]
+
+
+exact_attn._exact_decode_keys_kernel = _Launches(exact_attn._exact_decode_keys_kernel)
+trains = {qq.dtype: exact_attention(qq, kt8, key_major(vt8), D ** -0.5, zero, kts, vts, plan=TRAIN_PLAN)
+          for qq in (q, q16)}
+for qq in (q, q16):
+    train8 = trains[qq.dtype]
+    for i in (0, 1, 63, 64, 65, S - 1):
+        kc, vc, ks, vs = cache(i, fp8=True)
+        n = len(launched)
+        out = exact_attention(qq[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i), ks, vs)
+        assert len(launched) == n + 1 and torch.equal(out[0], train8[i]), (qq.dtype, i)
+        head = exact_attention(qq[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i), ks, vs, plan=(64, 4, 2, 16))
+        assert len(launched) == n + 1 and torch.equal(head, out), (qq.dtype, i)
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4
@@ -702,7 +724,7 @@ qa, ka, va = (t[:70].clone().requires_grad_(True) for t in (q, k, v))
 out = ExactAttention.apply(qa, ka, va, D ** -0.5)
 assert torch.equal(out, exact_attention(q[:70], kt[:, :, :70], vt[:, :, :70], D ** -0.5, zero))
 kv8 = (kt8[:, :, :70], kts[:, :, :70], vt8[:, :, :70].contiguous(), vts[:, :, :70])  # the trainer's bytes: V [L, d]
-assert torch.equal(ExactAttention.apply(q16[:70], ka.half(), va.half(), D ** -0.5, kv8), train16[:70])
+assert torch.equal(ExactAttention.apply(q16[:70], ka.half(), va.half(), D ** -0.5, kv8), trains[torch.float16][:70])
 do = torch.randn(out.shape, generator=g)
 out.backward(do)
 qb, kb, vb = (t[:70].clone().requires_grad_(True) for t in (q, k, v))

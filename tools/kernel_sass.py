@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_jetrl.kernels.decode_attn import TAIL_N, _decode_attn_keys_kernel, _decode_attn_kernel
-from megatron_jetrl.kernels.exact_attn import _exact_attn_kernel
+from megatron_jetrl.kernels.exact_attn import _exact_attn_kernel, _exact_decode_keys_kernel
 from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
@@ -93,6 +93,11 @@ def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int
     """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
     ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights, V
     key-major)."""
+    if kv == "fp8keys":  # the key-major decode kernel over the FP8 cache (rows: its query heads' columns)
+        consts = {"HPG": 4, "BLOCK_H": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "F16": True, "IEEE": False,
+                  "WIDE": False}
+        return _compile_by_name(_exact_decode_keys_kernel, {**_attn_types("fp8"), "q0_ptr": "*i64"}, consts,
+                                num_warps=warps, num_stages=stages)
     types = {**_attn_types(kv), "q0_ptr": "*i64"}
     consts = {"HPG": 4, "R": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "KV_FP8": kv == "fp8",
               "F16": kv == "fp8", "IEEE": False, "WIDE": False}
@@ -178,7 +183,8 @@ def decode_attn_plan(plan: str, exact: bool = False) -> dict:
     loop = main_loop(k)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
     per_key = sum(mix.values()) * int(warps) / int(block_n)
-    key_bytes = 2 * 128 * (1 if kv == "fp8" else 2) + (8 if kv == "fp8" else 0)  # K + V (+ their scales)
+    fp8 = kv.startswith("fp8")
+    key_bytes = 2 * 128 * (1 if fp8 else 2) + (8 if fp8 else 0)  # K + V (+ their scales)
     regs = registers(k)
     return {"loop": loop, "mix": mix, "regs": regs, "shared": k.metadata.shared,
             "programs": programs_per_sm(regs, int(warps), k.metadata.shared), "per_key": per_key,

@@ -52,6 +52,10 @@ from megatron_jetrl.kernels.decode_attn import P_F16
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+# The key-major decode kernel's plan (warps, stages). Under 4 warps: with 4 its 64-key and 128-feature tiles compile
+# to warpgroup MMAs (HGMMA), another instruction than the trainer's warp-level HMMA and other bits
+# (tools/kernel_sass.py exact-attn --plans fp8keys:64:4:2:8)
+DECODE_KEYS_PLAN = (2, 3)
 
 
 @triton.jit(do_not_specialize=["S", "L"])
@@ -108,7 +112,14 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # the block's weight sums on the tensor cores (P . 1), not a reduction whose order is the tile layout's: the
+        # key-major decode kernel computes the same sums as 1 . P^T
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32 if IEEE else tl.float16)
+        if IEEE:
+            sums = tl.dot(p, ones, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            sums = tl.dot(p.to(tl.float16), ones, out_dtype=tl.float32)
+        l_i = l_i * alpha + tl.max(sums, 1)  # 16 equal columns
         if KV_FP8:  # the value's scale (times P_F16 on fp16, inside its normal range) on its weight
             p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
         if IEEE:
@@ -122,6 +133,77 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # l >= 1 for a row with a key; a pad query (no key) gets 0
     tl.store(o_ptr + qi.to(tl.int64)[:, None] * so_s + b * so_b + head[:, None] * so_h + dd[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+@triton.jit(do_not_specialize=["L"])
+def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, L, qk_scale, sq_b, sq_h,
+                              sk_b, sk_g, sk_l, sv_b, sv_g, sv_d, ss_b, ss_g, so_b, so_h,
+                              HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_N: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+    """A decode step over the FP8 cache, key-major: one program per (row, KV group), its query heads the MMAs'
+    narrow side (``BLOCK_H`` = 8 for 4 heads, where the head-major tile pads them to 16 rows), S^T = K q^T and
+    O^T += V^T P^T with K's and V^T's tiles (V key-major: ``[d, L]`` memory) the first operands. Each step of
+    :func:`_exact_attn_kernel`'s block loop, on transposed tiles: the same 64-key blocks from position 0, the same
+    products in the same k order (an MMA's output element is its row's and column's k-ordered products, whichever
+    operand holds which), the same elementwise operations in the same order, the block's weight sums as 1 . P^T
+    where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    hm = hh < HPG
+    dm = dd < D
+    heads = g * HPG + hh
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    if F16:
+        q = q.to(tl.float16)
+    qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
+    qpos = tl.load(q0_ptr + b)  # the step's position: keys 0..qpos
+    nblocks = tl.cdiv(tl.maximum(qpos + 1, 0), BLOCK_N).to(tl.int32)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)  # O^T
+    kn = tl.arange(0, BLOCK_N)
+    k_row = k_ptr + b * sk_b + g * sk_g
+    v_row = v_ptr + b * sv_b + g * sv_g
+    s_row = b * ss_b + g * ss_g
+    ones = tl.full([16, BLOCK_N], 1.0, tl.float32 if IEEE else tl.float16)
+    for j in range(0, nblocks):
+        keys = j * BLOCK_N + kn
+        km = keys < L
+        kk = keys.to(tl.int64) if WIDE else keys
+        kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_row + dd[:, None] * sv_d + kk[None, :], mask=dm[:, None] & km[None, :], other=0.0)
+        kt = kt.to(qt.dtype)  # E4M3 -> fp16 (fp32 on the CPU): exact
+        vt = vt.to(qt.dtype)
+        kscale = tl.load(ks_ptr + s_row + kk, mask=km, other=1.0) * qk_scale
+        if IEEE:
+            st = tl.dot(kt, qt, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            st = tl.dot(kt, qt, out_dtype=tl.float32)
+        ok = (keys <= qpos) & km
+        st = st * kscale[:, None]
+        st = tl.where(ok[:, None], st, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(st - m_new[None, :])
+        if IEEE:
+            sums = tl.dot(ones, p, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            sums = tl.dot(ones, p.to(tl.float16), out_dtype=tl.float32)
+        l_i = l_i * alpha + tl.max(sums, 0)  # 16 equal rows
+        p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[:, None]
+        if IEEE:
+            pv = tl.dot(vt, p.to(vt.dtype), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            pv = tl.dot(vt, p.to(vt.dtype), out_dtype=tl.float32)
+        acc = acc * alpha[None, :] + pv
+        m_i = m_new
+    if F16:
+        acc = acc * (1.0 / P_F16)
+    out = acc / tl.maximum(l_i, 1.0e-30)[None, :]
+    tl.store(o_ptr + b * so_b + heads[None, :] * so_h + dd[:, None], out.to(o_ptr.dtype.element_ty),
+             mask=dm[:, None] & hm[None, :])
 
 
 def tile_rows(heads_per_group: int) -> int:
@@ -138,7 +220,8 @@ TRAIN_PLAN = (BLOCK_N, NUM_WARPS, NUM_STAGES, 32)
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: torch.Tensor,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None,
+                    keys_plan: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0[r] + i``) over keys
     ``k``/``v`` given as ``[b, groups, L, d]`` views indexed by position (key ``j`` of a row in column ``j``: the
     trainer's sequences, and the exact decoder's cache, which writes each row's tokens from its own position 0),
@@ -147,8 +230,10 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     one CUDA graph for every step). FP8 K/V (float8_e4m3fn) with ``k_scale``/``v_scale`` ``[b, groups, L]`` (unit last
     stride) are read as bytes and scales. q and k with a unit last stride; v with a unit stride in either of its
     last two dimensions (the FP8 cache keeps V key-major, ``[d, L]`` memory: the P.V product's operand tiles are then
-    contiguous along the keys it sums over). ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of
-    the decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``)."""
+    contiguous along the keys it sums over). A decode step (one query) over such an FP8 cache runs the key-major
+    kernel (:func:`_exact_decode_keys_kernel`, ``keys_plan`` (warps, stages) instead of :data:`DECODE_KEYS_PLAN`),
+    every other call the head-major one; ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of the
+    decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``), a one-query call's included."""
     S, b, H, D = q.shape
     G, L = k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -167,12 +252,21 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if not fp8:
         k_scale = v_scale = k  # unused (KV_FP8 off)
     hpg = H // G
-    block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
-    R = max(R, tile_rows(hpg))
-    grid = (triton.cdiv(S, R // hpg), b, G)
     # a key's offset within its (row, group) in 32 bits unless it can pass 2^31 (e.g. a trainer's [s, b, g, d] K of
     # 64 sequences x 32K tokens); the values are the same either way
     wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
+    if S == 1 and fp8 and v.stride(2) == 1 and plan is None:  # a decode step over the FP8 cache: key-major
+        warps, stages = keys_plan or DECODE_KEYS_PLAN
+        _exact_decode_keys_kernel[(b, G)](
+            q, k, v, k_scale, v_scale, o, q0, L, float(scale) * math.log2(math.e), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(3), k_scale.stride(0),
+            k_scale.stride(1), o.stride(1), o.stride(2), HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), D=D,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, F16=q.dtype != torch.float32,
+            IEEE=q.dtype == torch.float32, WIDE=wide, num_warps=warps, num_stages=stages)
+        return out
+    block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
+    R = max(R, tile_rows(hpg))
+    grid = (triton.cdiv(S, R // hpg), b, G)
     _exact_attn_kernel[grid](
         q, k, v, k_scale, v_scale, o, q0, S, L, float(scale) * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *v.stride(),
