@@ -58,6 +58,68 @@ NUM_STAGES = 2
 DECODE_KEYS_PLAN = (2, 3)
 
 
+@triton.jit
+def _head_block(q, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                KV_FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+    """Key block ``j`` of the head-major kernel (``MASKED``: its keys from L on read as 0 and weigh 0) -> the online
+    softmax's updated (max, sum, O)."""
+    keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    dd = tl.arange(0, BLOCK_D)
+    kk = keys.to(tl.int64) if WIDE else keys  # 32-bit offsets within a (row, group) where they fit
+    k_ptrs = k_row + kk[:, None] * sk_l + dd[None, :]
+    v_ptrs = v_row + kk[:, None] * sv_l + dd[None, :] * sv_d
+    if MASKED:
+        km = keys < L
+        kt = tl.load(k_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
+        ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
+    else:
+        if D == BLOCK_D:
+            kt = tl.load(k_ptrs)
+            vt = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
+            vt = tl.load(v_ptrs, mask=(dd < D)[None, :], other=0.0)
+        ok = keys[None, :] <= qpos[:, None]
+    if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
+        kt = kt.to(q.dtype)
+        vt = vt.to(q.dtype)
+        if MASKED:
+            kscale = tl.load(ks_row + kk, mask=km, other=1.0) * qk_scale
+            vscale = tl.load(vs_row + kk, mask=km, other=0.0)
+        else:
+            kscale = tl.load(ks_row + kk) * qk_scale
+            vscale = tl.load(vs_row + kk)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
+    if KV_FP8:
+        sc = sc * kscale[None, :]
+    else:
+        sc = sc * qk_scale
+    sc = tl.where(ok, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    # the block's weight sums on the tensor cores (P . 1), not a reduction whose order is the tile layout's: the
+    # key-major decode kernel computes the same sums as 1 . P^T
+    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32 if IEEE else tl.float16)
+    if IEEE:
+        sums = tl.dot(p, ones, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        sums = tl.dot(p.to(tl.float16), ones, out_dtype=tl.float32)
+    l_i = l_i * alpha + tl.max(sums, 1)  # 16 equal columns
+    if KV_FP8:  # the value's scale (times P_F16 on fp16, inside its normal range) on its weight
+        p = p * (vscale * (P_F16 if F16 else 1.0))[None, :]
+    if IEEE:
+        pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 @triton.jit(do_not_specialize=["S", "L"])
 def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L, qk_scale,
                        sq_s, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, so_s, so_b, so_h,
@@ -85,54 +147,76 @@ def _exact_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, S, L,
     m_i = tl.full([R], -1.0e30, tl.float32)
     l_i = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, BLOCK_D], tl.float32)
-    kn = tl.arange(0, BLOCK_N)
     k_row = k_ptr + b * sk_b + g * sk_g
     v_row = v_ptr + b * sv_b + g * sv_g
     s_row = b * ss_b + g * ss_g
-    for j in range(0, nblocks):
-        keys = j * BLOCK_N + kn
-        km = keys < L
-        kk = keys.to(tl.int64) if WIDE else keys  # 32-bit offsets within a (row, group) where they fit
-        kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        vt = tl.load(v_row + kk[:, None] * sv_l + dd[None, :] * sv_d, mask=km[:, None] & dm[None, :], other=0.0)
-        if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
-            kt = kt.to(q.dtype)
-            vt = vt.to(q.dtype)
-            kscale = tl.load(ks_ptr + s_row + kk, mask=km, other=1.0) * qk_scale
-        if IEEE:
-            sc = tl.dot(q, tl.trans(kt), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            sc = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
-        ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
-        if KV_FP8:
-            sc = sc * kscale[None, :]
-        else:
-            sc = sc * qk_scale
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        # the block's weight sums on the tensor cores (P . 1), not a reduction whose order is the tile layout's: the
-        # key-major decode kernel computes the same sums as 1 . P^T
-        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32 if IEEE else tl.float16)
-        if IEEE:
-            sums = tl.dot(p, ones, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            sums = tl.dot(p.to(tl.float16), ones, out_dtype=tl.float32)
-        l_i = l_i * alpha + tl.max(sums, 1)  # 16 equal columns
-        if KV_FP8:  # the value's scale (times P_F16 on fp16, inside its normal range) on its weight
-            p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[None, :]
-        if IEEE:
-            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # the blocks inside the L keys unmasked (whole-vector loads along a key-major V's rows), then the one that
+    # passes L, if any, masked: the same values either way
+    full = tl.minimum(nblocks, L // BLOCK_N)
+    for j in range(0, full):
+        m_i, l_i, acc = _head_block(q, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc, sk_l,
+                                    sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, KV_FP8, F16, IEEE, WIDE)
+    for j in range(full, nblocks):
+        m_i, l_i, acc = _head_block(q, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc, sk_l,
+                                    sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, True, KV_FP8, F16, IEEE, WIDE)
     if F16:
         acc = acc * (1.0 / P_F16)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]  # l >= 1 for a row with a key; a pad query (no key) gets 0
     tl.store(o_ptr + qi.to(tl.int64)[:, None] * so_s + b * so_b + head[:, None] * so_h + dd[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _keys_block(qt, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_l, sv_d, qk_scale,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+    """Key block ``j`` of the key-major decode kernel: :func:`_head_block`'s steps on transposed tiles (S^T, P^T,
+    O^T) -> the updated (max, sum, O^T)."""
+    keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    dd = tl.arange(0, BLOCK_D)
+    kk = keys.to(tl.int64) if WIDE else keys
+    k_ptrs = k_row + kk[:, None] * sk_l + dd[None, :]
+    v_ptrs = v_row + dd[:, None] * sv_d + kk[None, :]  # V^T's tile: key-major memory, contiguous along the keys
+    if MASKED:
+        km = keys < L
+        kt = tl.load(k_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
+        vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & km[None, :], other=0.0)
+        kscale = tl.load(ks_row + kk, mask=km, other=1.0) * qk_scale
+        vscale = tl.load(vs_row + kk, mask=km, other=0.0)
+        ok = (keys <= qpos) & km
+    else:
+        if D == BLOCK_D:
+            kt = tl.load(k_ptrs)
+            vt = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
+            vt = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0)
+        kscale = tl.load(ks_row + kk) * qk_scale
+        vscale = tl.load(vs_row + kk)
+        ok = keys <= qpos
+    kt = kt.to(qt.dtype)  # E4M3 -> fp16 (fp32 on the CPU): exact
+    vt = vt.to(qt.dtype)
+    if IEEE:
+        st = tl.dot(kt, qt, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        st = tl.dot(kt, qt, out_dtype=tl.float32)
+    st = st * kscale[:, None]
+    st = tl.where(ok[:, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(st - m_new[None, :])
+    ones = tl.full([16, BLOCK_N], 1.0, tl.float32 if IEEE else tl.float16)
+    if IEEE:
+        sums = tl.dot(ones, p, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        sums = tl.dot(ones, p.to(tl.float16), out_dtype=tl.float32)
+    l_i = l_i * alpha + tl.max(sums, 0)  # 16 equal rows
+    p = p * (vscale * (P_F16 if F16 else 1.0))[:, None]
+    if IEEE:
+        pv = tl.dot(vt, p.to(vt.dtype), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        pv = tl.dot(vt, p.to(vt.dtype), out_dtype=tl.float32)
+    return m_new, l_i, acc * alpha[None, :] + pv
 
 
 @triton.jit(do_not_specialize=["L"])
@@ -163,42 +247,16 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)  # O^T
-    kn = tl.arange(0, BLOCK_N)
     k_row = k_ptr + b * sk_b + g * sk_g
     v_row = v_ptr + b * sv_b + g * sv_g
     s_row = b * ss_b + g * ss_g
-    ones = tl.full([16, BLOCK_N], 1.0, tl.float32 if IEEE else tl.float16)
-    for j in range(0, nblocks):
-        keys = j * BLOCK_N + kn
-        km = keys < L
-        kk = keys.to(tl.int64) if WIDE else keys
-        kt = tl.load(k_row + kk[:, None] * sk_l + dd[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-        vt = tl.load(v_row + dd[:, None] * sv_d + kk[None, :], mask=dm[:, None] & km[None, :], other=0.0)
-        kt = kt.to(qt.dtype)  # E4M3 -> fp16 (fp32 on the CPU): exact
-        vt = vt.to(qt.dtype)
-        kscale = tl.load(ks_ptr + s_row + kk, mask=km, other=1.0) * qk_scale
-        if IEEE:
-            st = tl.dot(kt, qt, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            st = tl.dot(kt, qt, out_dtype=tl.float32)
-        ok = (keys <= qpos) & km
-        st = st * kscale[:, None]
-        st = tl.where(ok[:, None], st, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(st - m_new[None, :])
-        if IEEE:
-            sums = tl.dot(ones, p, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            sums = tl.dot(ones, p.to(tl.float16), out_dtype=tl.float32)
-        l_i = l_i * alpha + tl.max(sums, 0)  # 16 equal rows
-        p = p * (tl.load(vs_ptr + s_row + kk, mask=km, other=0.0) * (P_F16 if F16 else 1.0))[:, None]
-        if IEEE:
-            pv = tl.dot(vt, p.to(vt.dtype), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            pv = tl.dot(vt, p.to(vt.dtype), out_dtype=tl.float32)
-        acc = acc * alpha[None, :] + pv
-        m_i = m_new
+    full = tl.minimum(nblocks, L // BLOCK_N)  # as the head-major kernel: whole blocks unmasked, then the last
+    for j in range(0, full):
+        m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc,
+                                    sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
+    for j in range(full, nblocks):
+        m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc,
+                                    sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, True, F16, IEEE, WIDE)
     if F16:
         acc = acc * (1.0 / P_F16)
     out = acc / tl.maximum(l_i, 1.0e-30)[None, :]
@@ -278,8 +336,13 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def key_major(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., L, d]`` as a view of ``[..., d, L]`` memory (the FP8 cache's V layout; one copy)."""
-    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    """``x [..., L, d]`` as a view of ``[..., d, La]`` memory, ``La`` = L rounded up to ``BLOCK_N`` (the FP8 cache's V
+    layout, its rows aligned as the decoder's: the kernels' whole-block loads along them are whole 16-byte vectors;
+    one copy)."""
+    *lead, L, d = x.shape
+    t = x.new_zeros(*lead, d, -(-L // BLOCK_N) * BLOCK_N)
+    t[..., :L] = x.transpose(-1, -2)
+    return t[..., :L].transpose(-1, -2)
 
 
 class ExactAttention(torch.autograd.Function):
