@@ -14,7 +14,8 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
-  trainer's eight); per key and per KV byte as above, for one program's rows.
+  trainer's eight; kv ``fp8keys``: the key-major decode kernel over the FP8 cache, rows its query heads' columns);
+  per key and per KV byte as above, for one program's rows.
 
 The compiler is the Triton this Python imports; the H200 image runs Triton 3.6, whose wheel compiles the same code
 on any machine (``PYTHONPATH=<unpacked triton-3.6.0 wheel> python tools/kernel_sass.py ...``).
@@ -40,7 +41,7 @@ from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
 ATTN_PLANS = "bf16:64:4:2,fp8:128:4:2,fp8km:128:4:2,fp8:128:4:3,fp8:64:4:2,fp8:256:4:2"
-EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,bf16:64:4:2:32,fp8:64:4:2:32"
+EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,fp8keys:64:2:3:8,bf16:64:4:2:32,fp8:64:4:2:32"
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -61,7 +62,8 @@ def _compile_by_name(kernel, types: dict, consts: dict, **options):
     """``kernel`` for sm_90a with the argument types ``types`` and the constexprs ``consts`` given by name (every
     other argument an i32, 16-divisible as a launch specializes it)."""
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-    return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig)), target=SM90_TARGET, options=options)
+    fixed = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig, fixed)), target=SM90_TARGET, options=options)
 
 
 def _attn_types(kv: str) -> dict:
@@ -106,9 +108,12 @@ def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int
     return _compile_by_name(_exact_attn_kernel, types, consts, num_warps=warps, num_stages=stages)
 
 
-def _divisible(sig: dict) -> dict:
-    """Pointers and integer arguments 16-divisible, as Triton specializes them at a launch with such values."""
-    return {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*") or t == "i32"}
+def _divisible(sig: dict, fixed: set = frozenset()) -> dict:
+    """Pointers and integer arguments 16-divisible, as Triton specializes them at a launch with such values, except
+    the kernel's ``do_not_specialize`` ones (``fixed``), which a launch never specializes: a mask against such a
+    length is not known to be constant over a vector, and loads along it go element by element."""
+    return {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+            if (t.startswith("*") or t == "i32") and n not in fixed}
 
 
 def mma_loop(sass: str) -> list[str]:

@@ -15,10 +15,13 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   a block's tiles start on a ``BLOCK_N`` edge (aligned, wide loads); within a block the causal mask (key <= query
   position) is applied to the fp32 scores;
 - per block, in this order: ``s = (q . k) * scale * log2(e)`` (tensor cores, fp32 accumulation), masked keys
-  -> -inf, ``m' = max(m, max(s))``, ``alpha = 2^(m - m')``, ``p = 2^(s - m')``, ``l = l * alpha + sum(p)``,
-  ``acc = acc * alpha + p_bf16 . v``; at the end ``acc / l``. A block past a row's own last key (the tile's
-  other rows need it) is all masked: alpha = 1, p = 0, and acc, l, m come out of it bit for bit unchanged, so
-  the number of blocks a program walks does not change a row;
+  -> -inf, ``m' = max(m, max(s))``, ``alpha = 2^(m - m')``, ``p = 2^(s - m')``, ``l = l * alpha + p_fp16 . 1``
+  (the block's weight sum on the tensor cores too, in their k order, not a reduction whose order is the tile
+  layout's), ``acc = acc * alpha + p_bf16 . v``; at the end ``acc / l``. A block past a row's own last key (the
+  tile's other rows need it) is all masked: alpha = 1, p = 0, and acc, l, m come out of it bit for bit unchanged,
+  so the number of blocks a program walks does not change a row. The blocks inside the keys' length load
+  unmasked (whole 16-byte vectors along a key-major V's rows: the length is not specialized on, so a mask against
+  it would load a byte at a time), the one past it masked;
 - rows of a tile never mix (each output row of an MMA is the dot products of its own query row). Lengths are not
   specialized on (``do_not_specialize``: a one-query step is not a separate binary). That the decoder's 16-row and
   the trainer's 32-row tiles give a row the same bits is a property of the tensor-core instruction both compile to,
@@ -33,6 +36,15 @@ own position, so the rollout's decoder and the trainer's forward give a query th
   P.V product's operand tiles are contiguous along the keys it sums over (one E4M3 -> fp16 conversion per pair,
   no byte-wise gathers). The trainer hands the kernel the same bytes and scales in the same layout (the recipe's
   KV rule applied to its K/V, ``models/spec.py``), so both run the FP8 variant of the kernel.
+
+A decode step over the FP8 cache runs the same block steps on transposed tiles (:func:`_exact_decode_keys_kernel`):
+S^T = K q^T and O^T += V^T P^T with the group's query heads as the MMAs' narrow side (8 columns for 4 heads, where the
+head-major tile pads them to 16 rows) and the weight sums as 1 . P^T. An MMA's output element is its row's and
+column's products summed in k order whichever operand holds which, so the bytes are the head-major kernel's, the
+trainer's (tests/test_gpu_exact.py on the H100; the interpreter's dot has the same property, tests/common.py); its
+loop issues 16.2 warp-instructions per key against the head-major tile's 29.4 (Triton 3.6, sm_90a:
+``tools/kernel_sass.py exact-attn``), and it reads the cache as fast as the default mode's decode kernel
+(docs/decode_attention.md, "Exact mode's attention").
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
 512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
@@ -52,9 +64,10 @@ from megatron_jetrl.kernels.decode_attn import P_F16
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-# The key-major decode kernel's plan (warps, stages). Under 4 warps: with 4 its 64-key and 128-feature tiles compile
-# to warpgroup MMAs (HGMMA), another instruction than the trainer's warp-level HMMA and other bits
-# (tools/kernel_sass.py exact-attn --plans fp8keys:64:4:2:8)
+# The key-major decode kernel's plan (warps, stages). Under 4 warps: from 4 on a compiler may give its 64-key and
+# 128-feature tiles to warpgroup MMAs (HGMMA; Triton 3.9 does, `tools/kernel_sass.py exact-attn --plans
+# fp8keys:64:4:3:8`), another instruction than the trainer's warp-level HMMA, and other bits. 2 warps with 2, 3 or 4
+# stages ran alike (H100, 64 rows x 2,176 keys: 120.7 / 119.8 / 121.2 us, `tools/exact_bench.py --parts long`).
 DECODE_KEYS_PLAN = (2, 3)
 
 
