@@ -694,6 +694,10 @@ for qq in (q, q16):
         assert len(launched) == n + 1 and torch.equal(out[0], train8[i]), (qq.dtype, i)
         head = exact_attention(qq[i:i + 1], kc, vc, D ** -0.5, torch.full((b,), i), ks, vs, plan=(64, 4, 2, 16))
         assert len(launched) == n + 1 and torch.equal(head, out), (qq.dtype, i)
+    # a view of 130 keys: the last query's block passes the length (keys 128-129 of 128-191: the masked block)
+    kc, vc, ks, vs = (t[:, :, :130] for t in cache(129, fp8=True))
+    out = exact_attention(qq[129:130], kc, vc, D ** -0.5, torch.full((b,), 129), ks, vs)
+    assert torch.equal(out[0], train8[129]), qq.dtype
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4
