@@ -604,7 +604,8 @@ def test_exact_mode_kernels_under_the_interpreter():
     element by element, as an MMA's are); the training call equals SDPA to 1e-5; an FP8 cache's bytes and scales
     (V key-major, as the caches hold it, or not) give the bytes of the dequantized values (fp32; with a 16-bit q,
     the GPU's fp16 form, their attention to fp16 rounding); a query decoded over the FP8 cache, on the key-major
-    decode kernel, has the trainer's call's bytes and the head-major kernel's (fp32 and 16-bit q). The
+    decode kernel, has the trainer's call's bytes and the head-major kernel's (fp32 and 16-bit q; also in its masked
+    last block, and with 7 query heads per group). The
     GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at 1-129 rows (one program
     per K segment) are those of the 300-row call with the segments summed in the program (also in a plan whose
     column tiles span several weight blocks), and the product is the reference's to fp32 rounding. Autograd: the
@@ -698,6 +699,12 @@ for qq in (q, q16):
     kc, vc, ks, vs = (t[:, :, :130] for t in cache(129, fp8=True))
     out = exact_attention(qq[129:130], kc, vc, D ** -0.5, torch.full((b,), 129), ks, vs)
     assert torch.equal(out[0], train8[129]), qq.dtype
+# 7 query heads per group (Qwen2.5's), padded to the key-major kernel's 8 columns: the trainer's bytes
+q7 = torch.randn(70, b, 7 * G, D, generator=g).half()
+train7 = exact_attention(q7, kt8[:, :, :70], key_major(vt8[:, :, :70]), D ** -0.5, zero, kts[:, :, :70], vts[:, :, :70],
+                         plan=TRAIN_PLAN)
+kc, vc, ks, vs = cache(69, fp8=True)
+assert torch.equal(exact_attention(q7[69:70], kc, vc, D ** -0.5, torch.full((b,), 69), ks, vs)[0], train7[69])
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4
