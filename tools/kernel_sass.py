@@ -60,7 +60,7 @@ def compile_gemm(fp8: bool, sum_segs: bool, block_m: int, block_n: int, warps: i
 
 def _compile_by_name(kernel, types: dict, consts: dict, **options):
     """``kernel`` for sm_90a with the argument types ``types`` and the constexprs ``consts`` given by name (every
-    other argument an i32, 16-divisible as a launch specializes it)."""
+    other argument an i32, 16-divisible as a launch specializes it unless the kernel does not specialize on it)."""
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
     fixed = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
     return triton.compile(ASTSource(kernel, sig, consts, _divisible(sig, fixed)), target=SM90_TARGET, options=options)

@@ -126,6 +126,17 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
 
 
 @triton.jit
+def _load_whole(ptrs, d_mask, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile of keys that all lie inside the cache: no mask where the features fill ``BLOCK_D`` (whole-vector
+    loads), else masked to the ``D`` features (``d_mask``, broadcast over the tile)."""
+    if D == BLOCK_D:
+        t = tl.load(ptrs)
+    else:
+        t = tl.load(ptrs, mask=d_mask, other=0.0)
+    return t
+
+
+@triton.jit
 def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                              qk_scale, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, sok_b,
                              so_b, so_h, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
@@ -209,12 +220,8 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
             vscale = tl.load(vs_row + keys, mask=km, other=0.0)
     else:
         ok = tl.load(ok_row + keys) != 0
-        if D == BLOCK_D:
-            kt = tl.load(k_ptrs)
-            vt = tl.load(v_ptrs)
-        else:
-            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0)
+        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = _load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
         if KV_FP8:
             kscale = tl.load(ks_row + keys) * qk_scale
             vscale = tl.load(vs_row + keys)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.decode_attn import P_F16
+from megatron_jetrl.kernels.decode_attn import P_F16, _load_whole
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -88,12 +88,8 @@ def _head_block(q, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_l
         vt = tl.load(v_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
         ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
     else:
-        if D == BLOCK_D:
-            kt = tl.load(k_ptrs)
-            vt = tl.load(v_ptrs)
-        else:
-            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=(dd < D)[None, :], other=0.0)
+        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = _load_whole(v_ptrs, (dd < D)[None, :], D, BLOCK_D)
         ok = keys[None, :] <= qpos[:, None]
     if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
         kt = kt.to(q.dtype)
@@ -198,12 +194,8 @@ def _keys_block(qt, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_
         vscale = tl.load(vs_row + kk, mask=km, other=0.0)
         ok = (keys <= qpos) & km
     else:
-        if D == BLOCK_D:
-            kt = tl.load(k_ptrs)
-            vt = tl.load(v_ptrs)
-        else:
-            kt = tl.load(k_ptrs, mask=(dd < D)[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0)
+        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = _load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
         kscale = tl.load(ks_row + kk) * qk_scale
         vscale = tl.load(vs_row + kk)
         ok = keys <= qpos
