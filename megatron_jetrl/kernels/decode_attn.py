@@ -65,19 +65,28 @@ P_F16: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
-def _program(q_ptr, pos_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """A decode program's (row b, KV group g, key split s), its query heads and their rows q [BLOCK_H, BLOCK_D]
-    (masks hm, dm), and its keys [lo, hi): the split's share of ``0..pos`` in whole tiles."""
+def _group_query(q_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """A decode program's row b and KV group g (program ids 0 and 1), the group's query heads (masked to HPG: hm),
+    the features (masked to D: dm) and their query rows q [BLOCK_H, BLOCK_D]."""
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a 256 x 8K-token cache of one layer passes 2^31 elements
     g = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(2)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
     hm = hh < HPG
     dm = dd < D
     heads = g * HPG + hh
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    return b, g, heads, hm, dd, dm, q
+
+
+@triton.jit
+def _program(q_ptr, pos_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's (row b, KV group g, key split s), its query heads and their rows q [BLOCK_H, BLOCK_D]
+    (masks hm, dm), and its keys [lo, hi): the split's share of ``0..pos`` in whole tiles."""
+    b, g, heads, hm, dd, dm, q = _group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
+    s = tl.program_id(2)
     n = tl.load(pos_ptr).to(tl.int32) + 1  # keys 0..pos: the step's own key is written before this runs
     chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_N) * BLOCK_N
     lo = s * chunk

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.decode_attn import P_F16, _load_whole
+from megatron_jetrl.kernels.decode_attn import P_F16, _group_query, _load_whole
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -236,14 +236,7 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     products in the same k order (an MMA's output element is its row's and column's k-ordered products, whichever
     operand holds which), the same elementwise operations in the same order, the block's weight sums as 1 . P^T
     where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call."""
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64)
-    hh = tl.arange(0, BLOCK_H)
-    dd = tl.arange(0, BLOCK_D)
-    hm = hh < HPG
-    dm = dd < D
-    heads = g * HPG + hh
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + dd[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    b, g, heads, hm, dd, dm, q = _group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
     if F16:
         q = q.to(tl.float16)
     qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
