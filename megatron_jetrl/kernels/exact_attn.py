@@ -336,9 +336,9 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def key_major(x: torch.Tensor) -> torch.Tensor:
     """``x [..., L, d]`` as a view of ``[..., d, La]`` memory, ``La`` = L rounded up to ``BLOCK_N`` (the FP8 cache's V
     layout, its rows aligned as the decoder's: the kernels' whole-block loads along them are whole 16-byte vectors;
-    one copy)."""
+    one copy; the padding is never read: a block past L loads masked)."""
     *lead, L, d = x.shape
-    t = x.new_zeros(*lead, d, -(-L // BLOCK_N) * BLOCK_N)
+    t = x.new_empty(*lead, d, -(-L // BLOCK_N) * BLOCK_N)
     t[..., :L] = x.transpose(-1, -2)
     return t[..., :L].transpose(-1, -2)
 
