@@ -65,7 +65,7 @@ P_F16: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
-def _group_query(q_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+def group_query(q_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """A decode program's row b and KV group g (program ids 0 and 1), the group's query heads (masked to HPG: hm),
     the features (masked to D: dm) and their query rows q [BLOCK_H, BLOCK_D]."""
@@ -85,7 +85,7 @@ def _program(q_ptr, pos_ptr, sq_b, sq_h, HPG: tl.constexpr, D: tl.constexpr, BLO
              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """A decode program's (row b, KV group g, key split s), its query heads and their rows q [BLOCK_H, BLOCK_D]
     (masks hm, dm), and its keys [lo, hi): the split's share of ``0..pos`` in whole tiles."""
-    b, g, heads, hm, dd, dm, q = _group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
+    b, g, heads, hm, dd, dm, q = group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
     s = tl.program_id(2)
     n = tl.load(pos_ptr).to(tl.int32) + 1  # keys 0..pos: the step's own key is written before this runs
     chunk = tl.cdiv(tl.cdiv(n, SPLIT), BLOCK_N) * BLOCK_N
@@ -135,7 +135,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, m
 
 
 @triton.jit
-def _load_whole(ptrs, d_mask, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def load_whole(ptrs, d_mask, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """A tile of keys that all lie inside the cache: no mask where the features fill ``BLOCK_D`` (whole-vector
     loads), else masked to the ``D`` features (``d_mask``, broadcast over the tile)."""
     if D == BLOCK_D:
@@ -229,8 +229,8 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
             vscale = tl.load(vs_row + keys, mask=km, other=0.0)
     else:
         ok = tl.load(ok_row + keys) != 0
-        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
-        vt = _load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
+        kt = load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
         if KV_FP8:
             kscale = tl.load(ks_row + keys) * qk_scale
             vscale = tl.load(vs_row + keys)

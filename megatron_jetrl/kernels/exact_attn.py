@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.decode_attn import P_F16, _group_query, _load_whole
+from megatron_jetrl.kernels.decode_attn import P_F16, group_query, load_whole
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -88,8 +88,8 @@ def _head_block(q, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_l
         vt = tl.load(v_ptrs, mask=km[:, None] & (dd < D)[None, :], other=0.0)
         ok = (keys[None, :] <= qpos[:, None]) & km[None, :]
     else:
-        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
-        vt = _load_whole(v_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        kt = load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = load_whole(v_ptrs, (dd < D)[None, :], D, BLOCK_D)
         ok = keys[None, :] <= qpos[:, None]
     if KV_FP8:  # E4M3 -> fp16 (fp32 on the CPU): exact; the power-of-two scales act on the scores and weights
         kt = kt.to(q.dtype)
@@ -194,8 +194,8 @@ def _keys_block(qt, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_
         vscale = tl.load(vs_row + kk, mask=km, other=0.0)
         ok = (keys <= qpos) & km
     else:
-        kt = _load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
-        vt = _load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
+        kt = load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
+        vt = load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
         kscale = tl.load(ks_row + kk) * qk_scale
         vscale = tl.load(vs_row + kk)
         ok = keys <= qpos
@@ -236,7 +236,7 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     products in the same k order (an MMA's output element is its row's and column's k-ordered products, whichever
     operand holds which), the same elementwise operations in the same order, the block's weight sums as 1 . P^T
     where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call."""
-    b, g, heads, hm, dd, dm, q = _group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
+    b, g, heads, hm, dd, dm, q = group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
     if F16:
         q = q.to(tl.float16)
     qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
