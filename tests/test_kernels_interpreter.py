@@ -605,7 +605,8 @@ def test_exact_mode_kernels_under_the_interpreter():
     (V key-major, as the caches hold it, or not) give the bytes of the dequantized values (fp32; with a 16-bit q,
     the GPU's fp16 form, their attention to fp16 rounding); a query decoded over the FP8 cache, on the key-major
     decode kernel, has the trainer's call's bytes and the head-major kernel's (fp32 and 16-bit q; also in its masked
-    last block, and with 7 query heads per group). The
+    last block, and with 7 query heads per group), and writes the output projection's FP8 input as the activation
+    quantizer would. The
     GEMMs (BF16 and block FP8, row- or column-major activation scales): a row's bytes at 1-129 rows (one program
     per K segment) are those of the 300-row call with the segments summed in the program (also in a plan whose
     column tiles span several weight blocks), and the product is the reference's to fp32 rounding. Autograd: the
@@ -705,6 +706,20 @@ train7 = exact_attention(q7, kt8[:, :, :70], key_major(vt8[:, :, :70]), D ** -0.
                          plan=TRAIN_PLAN)
 kc, vc, ks, vs = cache(69, fp8=True)
 assert torch.equal(exact_attention(q7[69:70], kc, vc, D ** -0.5, torch.full((b,), 69), ks, vs)[0], train7[69])
+# head_dim = the recipe's group: the key-major kernel also writes the output projection's FP8 input, the bytes and
+# scales (row- or column-major) of the activation quantizer kernel on the stored output (the interpreter's E4M3 casts
+# round a few ties unlike torch's, for both kernels alike; the GPU tests compare the decoder with the trainer), the
+# scales also torch's rule's; no other call writes them
+from megatron_jetrl.kernels.triton_quant import quantize_act_triton
+(k2, k2s), (v2, v2s) = (quantize_kv(torch.randn(b, 1, 70, 128, generator=g) * 4, rec) for _ in range(2))
+q2, p2 = torch.randn(1, b, 4, 128, generator=g).half(), torch.tensor([69, 3, 40])
+for col in (False, True):
+    out, (xb, xs) = exact_attention(q2, k2, key_major(v2), 0.1, p2, k2s, v2s, quant=rec, scale_col_major=col)
+    rb, rs = quantize_act_triton(out[0], rec, scale_col_major=col)
+    assert torch.equal(out, exact_attention(q2, k2, key_major(v2), 0.1, p2, k2s, v2s)), col
+    assert torch.equal(xb.view(torch.uint8), rb.view(torch.uint8)) and torch.equal(xs, rs) and xs.stride() == rs.stride()
+    assert torch.equal(xs, quantize_act(out[0], rec, use_triton=False)[1]) and xs.unique().numel() > 1
+assert exact_attention(q2.repeat(3, 1, 1, 1), k2, key_major(v2), 0.1, p2 - 3, k2s, v2s, quant=rec)[1] is None
 N, K = 384, 1024
 x, w = torch.randn(300, K, generator=g), torch.randn(N, K, generator=g) / 16
 assert segments(N, K, 128, x.device) == 2 and segments(N, K, 64, x.device) == 4

@@ -260,6 +260,26 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
 
 
 @triton.jit
+def store_quantized(out, b, heads, hm, dd, mask, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
+                    D: tl.constexpr, UE8M0: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The output projection's FP8 input from a decode program's output rows ``out [heads, d]`` (``TRANSPOSED``:
+    ``out^T [d, heads]``, ``mask`` likewise) as stored (rounded to the output's dtype): one 1 x D group per head (D =
+    the recipe's group), the E4M3 bytes and scale_inv the activation quantizer computes from them
+    (``triton_quant._act_quant_kernel``), at row ``b`` of ``xq [b, heads * D]`` and ``xs`` (strides ``sxs_b``,
+    ``sxs_h``: row- or column-major)."""
+    x = out.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0 if TRANSPOSED else 1), eps)
+    scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
+    if TRANSPOSED:
+        q8 = tl.clamp(x * mult[None, :], -fmax, fmax).to(tl.float8e4nv)
+        tl.store(xq_ptr + b * sxq_b + heads[None, :] * D + dd[:, None], q8, mask=mask)
+    else:
+        q8 = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
+        tl.store(xq_ptr + b * sxq_b + heads[:, None] * D + dd[None, :], q8, mask=mask)
+    tl.store(xs_ptr + b * sxs_b + heads * sxs_h, scale_inv, mask=hm)
+
+
+@triton.jit
 def _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h, H, s,
                BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
                D: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr):
@@ -273,12 +293,8 @@ def _store_out(acc, l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_
         out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + b * so_b + heads[:, None] * so_h + dd[None, :], out, mask=mask)
         if QUANT:
-            x = out.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-            scale_inv, mult = scale_and_multiplier(amax, inv_max, fmax, UE8M0)
-            q8 = tl.clamp(x * mult[:, None], -fmax, fmax).to(tl.float8e4nv)
-            tl.store(xq_ptr + b * sxq_b + heads[:, None] * D + dd[None, :], q8, mask=mask)
-            tl.store(xs_ptr + b * sxs_b + heads * sxs_h, scale_inv, mask=hm)
+            store_quantized(out, b, heads, hm, dd, mask, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps, D,
+                            UE8M0)
     else:
         row = (b * H + heads) * SPLIT + s
         tl.store(part_ptr + row[:, None] * BLOCK_D + dd[None, :], acc, mask=mask)
@@ -313,6 +329,20 @@ def default_splits(rows: int, groups: int, max_len: int, device: torch.device, b
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     want = -(-2 * sms // max(1, rows * groups))
     return max(1, min(want, max_len // (4 * block_n), 32))
+
+
+def output_quant(quant: FP8Recipe | None, b: int, H: int, D: int, col_major: bool, out: torch.Tensor):
+    """(xq, the kernel arguments of :func:`store_quantized`) for a decode kernel that writes the output projection's
+    FP8 input from its epilogue: ``xq = (bytes [b, H*D] E4M3, scale_inv [b, H] fp32)``, the scales row-major or, with
+    ``col_major``, column-major as cuBLAS's scaled_mm reads them; (None, placeholders) where ``quant`` is None or its
+    group is not the head dim (one scale per head)."""
+    if quant is None or D != quant.group_size:
+        return None, (out, out, out.stride(0), out.stride(0), out.stride(1), 1.0, 1.0, 0.0)  # unused without QUANT
+    xs = (torch.empty((H, b), dtype=torch.float32, device=out.device).t() if col_major
+          else torch.empty((b, H), dtype=torch.float32, device=out.device))
+    xb = torch.empty((b, H * D), dtype=torch.float8_e4m3fn, device=out.device)
+    return (xb, xs), (xb, xs, xb.stride(0), xs.stride(0), xs.stride(1), 1.0 / quant.fp8_max, quant.fp8_max,
+                      quant.amax_eps)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_ok: torch.Tensor,
@@ -361,22 +391,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = ml = out
     common = dict(D=D, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=splits, NUM_STAGES=num_stages,
                   IEEE=q.dtype == torch.float32, num_warps=num_warps)
-    xq = None
-    if quant is not None and key_major and splits == 1 and D == quant.group_size:
-        xs = (torch.empty((H, b), dtype=torch.float32, device=q.device).t() if scale_col_major
-              else torch.empty((b, H), dtype=torch.float32, device=q.device))
-        xq = (torch.empty((b, H * D), dtype=torch.float8_e4m3fn, device=q.device), xs)
+    xq, qargs = output_quant(quant if key_major and splits == 1 else None, b, H, D, scale_col_major, out)
     if key_major:  # the query heads as the MMA's narrow side: 8 for up to 8 heads per group (tensor cores pad less)
         ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused without KV_FP8
-        xb, xs = xq if xq is not None else (out, out)  # unused without QUANT
-        inv_max, fmax, eps = (1.0, 1.0, 0.0) if xq is None else (1.0 / quant.fp8_max, quant.fp8_max, quant.amax_eps)
         _decode_attn_keys_kernel[(b, G, splits)](
             q, k_cache, v_cache, ks, vs, ok, pos, out, part, ml, float(scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
-            xb, xs, xb.stride(0), xs.stride(0), xs.stride(1), inv_max, fmax, eps,
-            HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n),
+            *qargs, HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n),
             V_KEYS=v_keys, LOAD16=L % 16 == 0, KV_FP8=fp8,
             F16=fp8 and q.dtype != torch.float32, QUANT=xq is not None,
             UE8M0=xq is not None and quant.scale_fmt == "ue8m0", **common)

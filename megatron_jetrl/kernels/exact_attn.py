@@ -59,7 +59,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megatron_jetrl.kernels.decode_attn import P_F16, group_query, load_whole
+from megatron_jetrl.kernels.decode_attn import P_F16, group_query, load_whole, output_quant, store_quantized
+from megatron_jetrl.precision.recipe import FP8Recipe
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -227,15 +228,19 @@ def _keys_block(qt, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_
 @triton.jit(do_not_specialize=["L"])
 def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr, L, qk_scale, sq_b, sq_h,
                               sk_b, sk_g, sk_l, sv_b, sv_g, sv_d, ss_b, ss_g, so_b, so_h,
+                              xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
                               HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_N: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+                              BLOCK_N: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr,
+                              QUANT: tl.constexpr, UE8M0: tl.constexpr):
     """A decode step over the FP8 cache, key-major: one program per (row, KV group), its query heads the MMAs'
     narrow side (``BLOCK_H`` = 8 for 4 heads, where the head-major tile pads them to 16 rows), S^T = K q^T and
     O^T += V^T P^T with K's and V^T's tiles (V key-major: ``[d, L]`` memory) the first operands. Each step of
     :func:`_exact_attn_kernel`'s block loop, on transposed tiles: the same 64-key blocks from position 0, the same
     products in the same k order (an MMA's output element is its row's and column's k-ordered products, whichever
     operand holds which), the same elementwise operations in the same order, the block's weight sums as 1 . P^T
-    where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call."""
+    where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call. ``QUANT``: also
+    the output projection's FP8 input from the stored output, the bytes and scales of the trainer's activation
+    quantizer (``decode_attn.store_quantized``)."""
     b, g, heads, hm, dd, dm, q = group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
     if F16:
         q = q.to(tl.float16)
@@ -257,9 +262,12 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
                                     sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, True, F16, IEEE, WIDE)
     if F16:
         acc = acc * (1.0 / P_F16)
-    out = acc / tl.maximum(l_i, 1.0e-30)[None, :]
-    tl.store(o_ptr + b * so_b + heads[None, :] * so_h + dd[:, None], out.to(o_ptr.dtype.element_ty),
-             mask=dm[:, None] & hm[None, :])
+    out = (acc / tl.maximum(l_i, 1.0e-30)[None, :]).to(o_ptr.dtype.element_ty)  # O^T [BLOCK_D, BLOCK_H]
+    mask = dm[:, None] & hm[None, :]
+    tl.store(o_ptr + b * so_b + heads[None, :] * so_h + dd[:, None], out, mask=mask)
+    if QUANT:
+        store_quantized(out, b, heads, hm, dd, mask, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps, D, UE8M0,
+                        TRANSPOSED=True)
 
 
 def tile_rows(heads_per_group: int) -> int:
@@ -277,7 +285,8 @@ TRAIN_PLAN = (BLOCK_N, NUM_WARPS, NUM_STAGES, 32)
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: torch.Tensor,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None,
-                    keys_plan: tuple[int, int] | None = None) -> torch.Tensor:
+                    keys_plan: tuple[int, int] | None = None, quant: FP8Recipe | None = None,
+                    scale_col_major: bool = False):
     """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0[r] + i``) over keys
     ``k``/``v`` given as ``[b, groups, L, d]`` views indexed by position (key ``j`` of a row in column ``j``: the
     trainer's sequences, and the exact decoder's cache, which writes each row's tokens from its own position 0),
@@ -289,7 +298,10 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     contiguous along the keys it sums over). A decode step (one query) over such an FP8 cache runs the key-major
     kernel (:func:`_exact_decode_keys_kernel`, ``keys_plan`` (warps, stages) instead of :data:`DECODE_KEYS_PLAN`),
     every other call the head-major one; ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of the
-    decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``), a one-query call's included."""
+    decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``), a one-query call's included. ``quant``
+    (a recipe): returns ``(out, xq)``, ``xq`` the output's activation quantization for the FP8 output projection as
+    :func:`decode_attn.decode_attention` gives it (``scale_col_major`` likewise), written by the key-major kernel;
+    None from every other call (the projection's own quantizer computes the same bytes)."""
     S, b, H, D = q.shape
     G, L = k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -303,7 +315,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if out is None:
         out = torch.empty((S, b, H * D), dtype=q.dtype, device=q.device)
     if S == 0 or b == 0:
-        return out
+        return out if quant is None else (out, None)
     o = out.view(S, b, H, D)
     if not fp8:
         k_scale = v_scale = k  # unused (KV_FP8 off)
@@ -313,13 +325,15 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
     if S == 1 and fp8 and v.stride(2) == 1 and plan is None:  # a decode step over the FP8 cache: key-major
         warps, stages = keys_plan or DECODE_KEYS_PLAN
+        xq, qargs = output_quant(quant, b, H, D, scale_col_major, o[0])
         _exact_decode_keys_kernel[(b, G)](
             q, k, v, k_scale, v_scale, o, q0, L, float(scale) * math.log2(math.e), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(3), k_scale.stride(0),
-            k_scale.stride(1), o.stride(1), o.stride(2), HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), D=D,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, F16=q.dtype != torch.float32,
-            IEEE=q.dtype == torch.float32, WIDE=wide, num_warps=warps, num_stages=stages)
-        return out
+            k_scale.stride(1), o.stride(1), o.stride(2), *qargs, HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)),
+            D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, F16=q.dtype != torch.float32,
+            IEEE=q.dtype == torch.float32, WIDE=wide, QUANT=xq is not None,
+            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", num_warps=warps, num_stages=stages)
+        return out if quant is None else (out, xq)
     block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
     R = max(R, tile_rows(hpg))
     grid = (triton.cdiv(S, R // hpg), b, G)
@@ -330,7 +344,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         HPG=hpg, R=R, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, KV_FP8=fp8,
         F16=fp8 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32, WIDE=wide, num_warps=warps,
         num_stages=stages)
-    return out
+    return out if quant is None else (out, None)
 
 
 def key_major(x: torch.Tensor) -> torch.Tensor:

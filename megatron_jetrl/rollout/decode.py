@@ -237,8 +237,9 @@ class StaticDecoder:
         # a decoder to compare with the unfused path.
         self.fuse_norm_quant = True
         self.norm_quant_cublas = True
-        # ... and, on decode steps with the Triton attention (one key split), the output projection's activation
-        # quantization in the attention kernel (32 quantizer launches fewer per step; same bytes)
+        # ... and, on decode steps with the Triton attention (one key split) or exact mode's key-major kernel over
+        # the FP8 cache, the output projection's activation quantization in the attention kernel (32 quantizer
+        # launches fewer per step; same bytes)
         self.fuse_attn_quant = True
         # ... and, for the FP8 small-M GEMMs whose output only feeds that kernel (attention's output
         # projection, fc2) at TP=1, the split-K partials summed in it instead of a separate sum kernel
@@ -453,7 +454,12 @@ class StaticDecoder:
         if self.exact:  # prefill and decode steps: the trainer's attention kernel over the position-indexed cache
             from megatron_jetrl.kernels.exact_attn import exact_attention
 
-            return exact_attention(q, kc, vc, self.scale, q0, ks, vs), None
+            recipe, col_major = self._input_quant(proj, b, self.heads * self.dim) if self.fuse_attn_quant else (None, False)
+            if recipe is None:
+                return exact_attention(q, kc, vc, self.scale, q0, ks, vs), None
+            # a decode step over the FP8 cache: the output projection's input bytes from the kernel's epilogue, the
+            # trainer's quantizer's (xq None elsewhere: the projection quantizes)
+            return exact_attention(q, kc, vc, self.scale, q0, ks, vs, quant=recipe, scale_col_major=col_major)
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
