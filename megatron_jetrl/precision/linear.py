@@ -474,8 +474,6 @@ class FP8LinearMixin:
             inv_perm, perm = None, None
             bias = None if bias is None else bias.index_select(0, cache.perm.to(bias.device))
         exact = self.fp8_state.recipe.exact and exact_kernels(input)
-        if exact and inv_perm is not None and self.hints.rollout_layout_output:
-            raise RuntimeError("exact mode: the decoder calls its linears as the trainer does (no layout hints)")
         if (not exact and not torch.is_grad_enabled() and input.is_cuda and self.fp8_backend == "scaled_mm"
                 and self.fp8_state.small_m(M, *qweight.shape)):  # decode: the fused small-M Triton GEMM
             from megatron_jetrl.precision.quant import swiglu

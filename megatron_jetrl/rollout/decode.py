@@ -401,11 +401,14 @@ class StaticDecoder:
         GEMM output is split in that order directly (same values, without permuting the output back to
         megatron's interleaved order and copying q out of it). ``partials``: None, or ``(splits, stride)`` where
         the small-M GEMM split K and the RoPE + cache kernel sums its fp32 partials (q, k, v views of the first;
-        ``defer_split_sum`` with the fused RoPE, no q/k norms)."""
+        ``defer_split_sum`` with the fused RoPE, no q/k norms). Exact mode too: its GEMM over the rollout-ordered
+        weight gives each column the bits it has in Megatron's order (the rows are whole 128 x 128 blocks moved,
+        and an output element's products and their order do not depend on its column), and the RoPE + cache kernel
+        sums the exact GEMM's K-segment partials in segment order, as its sum kernel does."""
         lin = attn.linear_qkv
         cache = getattr(lin, "fp8_cache", None)
         hinted = lin.hinted if hasattr(lin, "hinted") else None
-        if (self.exact or cache is None or cache.perm is None or not lin.fp8_active()
+        if (cache is None or cache.perm is None or not lin.fp8_active()
                 or attn.config.num_query_groups < attn.world_size):
             if hinted is None or xq is None:
                 return *attn.get_query_key_value_tensors(x, None), None
