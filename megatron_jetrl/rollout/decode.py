@@ -27,8 +27,9 @@ its own KV cache with static shapes:
   FP8 linear's activation quantization), and the FP8 fused QKV output is split in the rollout's
   [q | k | v] order.
 
-Exact mode (``precision.exact``, ``exact=True``): the linears called as the trainer's forward calls them (the fused
-QKV in Megatron's order; the fused norm kernel's activation bytes are the trainer's quantizer's), prefill and decode
+Exact mode (``precision.exact``, ``exact=True``): every op with the bits of the trainer's forward (the fused norm
+kernel's and the attention kernel's activation bytes are the trainer's quantizer's; the fused QKV split in the
+rollout's order gives each column its bits in Megatron's order), prefill and decode
 steps on ``kernels/exact_attn.py`` over a KV cache indexed by each row's own position (a row's token at position
 ``p`` in column ``p``, as in the trainer's sequences; no left pads in it); with the batch-invariant GEMMs
 (``kernels/exact_gemm.py``) a row's logits are the bits of the trainer's forward.
