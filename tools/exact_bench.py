@@ -8,7 +8,7 @@ the FP8 KV cache (the key-major decode kernel vs the exact kernel's head-major a
 says whether its output has the first plan's bytes (the decoder and the trainer may run different plans only where
 they do).
 Usage: python tools/exact_bench.py [--parts gemm,attn,long] [--rows 64,4608] [--gemm-configs 64:128:4:4,...]
-       [--long-keys 4096,8192] [--long-plans 64:4:2:16,...] [--keys-plans 2:2,...] [--cache-keys 2176] [--json F]"""
+       [--long-keys 4096,8192] [--long-plans 64:4:2:16,...] [--keys-plans 2:2,2:3:2,...] [--cache-keys 2176] [--json F]"""
 from __future__ import annotations
 
 import argparse
@@ -41,9 +41,9 @@ def main() -> None:
     ap.add_argument("--long-plans", default="64:4:2:16,64:4:1:16,64:4:3:16,64:4:4:16,64:8:2:16,64:8:3:16,64:2:3:16,"
                     "64:4:2:32,128:4:2:16", help="exact decoder plans BLOCK_N:warps:stages:rows timed there (the first: the "
                     "decoder's; each says whether it gives the first plan's bytes)")
-    ap.add_argument("--keys-plans", default="2:2,2:3,2:4,1:2,1:3",
-                    help="key-major exact decode plans warps:stages timed there (each says whether it gives the first "
-                    "long plan's bytes, the trainer's)")
+    ap.add_argument("--keys-plans", default="2:2,2:3,2:4,1:2,1:3,2:2:2,2:3:2,4:2",
+                    help="key-major exact decode plans warps:stages[:2] (2: two key blocks an iteration) timed there "
+                    "and in the cache part (each says whether it gives the first long plan's bytes, the trainer's)")
     ap.add_argument("--parts", default="gemm,attn,long",
                     help="what to time: gemm (GEMMs, LM head), attn (training forward, 1,024-key decode), long "
                     "(the long-context decode over the FP8 cache), cache (a decode step's calls over a decoder-shaped "
@@ -206,6 +206,10 @@ def main() -> None:
                 ("exact key-major", lambda li: exact_attention(q, kc[li], vkm[li], D ** -0.5, qpos, ksc[li],
                                                                vsc[li]))):
             add("attn_decode_fp8kv_cache", shape, name, time_rotated_ms(fn, nl), None, nbytes)
+        for kp in [tuple(map(int, p.split(":"))) for p in a.keys_plans.split(",")]:
+            add("attn_decode_fp8kv_cache", shape, "exact key-major " + ":".join(map(str, kp)), time_rotated_ms(
+                lambda li: exact_attention(q, kc[li], vkm[li], D ** -0.5, qpos, ksc[li], vsc[li], keys_plan=kp), nl),
+                None, nbytes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -91,14 +91,14 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
 
 
-def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int):
+def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int, PAIRS=False):
     """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
     ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights, V
     key-major)."""
     if kv == "fp8keys":  # the key-major decode kernel over the FP8 cache (rows: its query heads' columns), writing the
         # output projection's FP8 input as the decoder's call does
         consts = {"HPG": 4, "BLOCK_H": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "F16": True, "IEEE": False,
-                  "WIDE": False, "QUANT": True, "UE8M0": False}
+                  "WIDE": False, "QUANT": True, "UE8M0": False, "PAIRS": PAIRS}
         types = {**_attn_types("fp8"), "q0_ptr": "*i64", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "inv_max": "fp32",
                  "fmax": "fp32", "eps": "fp32"}
         return _compile_by_name(_exact_decode_keys_kernel, types, consts, num_warps=warps, num_stages=stages)

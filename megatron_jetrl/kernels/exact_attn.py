@@ -231,7 +231,7 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
                               xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
                               HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_N: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr,
-                              QUANT: tl.constexpr, UE8M0: tl.constexpr):
+                              QUANT: tl.constexpr, UE8M0: tl.constexpr, PAIRS: tl.constexpr):
     """A decode step over the FP8 cache, key-major: one program per (row, KV group), its query heads the MMAs'
     narrow side (``BLOCK_H`` = 8 for 4 heads, where the head-major tile pads them to 16 rows), S^T = K q^T and
     O^T += V^T P^T with K's and V^T's tiles (V key-major: ``[d, L]`` memory) the first operands. Each step of
@@ -254,7 +254,15 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     v_row = v_ptr + b * sv_b + g * sv_g
     s_row = b * ss_b + g * ss_g
     full = tl.minimum(nblocks, L // BLOCK_N)  # as the head-major kernel: whole blocks unmasked, then the last
-    for j in range(0, full):
+    first = 0
+    if PAIRS:  # two blocks an iteration, each block's steps as they are
+        for jj in range(0, full // 2):
+            m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, 2 * jj, L, m_i, l_i,
+                                        acc, sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
+            m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, 2 * jj + 1, L, m_i,
+                                        l_i, acc, sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
+        first = full // 2 * 2
+    for j in range(first, full):
         m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc,
                                     sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
     for j in range(full, nblocks):
@@ -324,7 +332,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     # 64 sequences x 32K tokens); the values are the same either way
     wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
     if S == 1 and fp8 and v.stride(2) == 1 and plan is None:  # a decode step over the FP8 cache: key-major
-        warps, stages = keys_plan or DECODE_KEYS_PLAN
+        warps, stages, *pairs = keys_plan or DECODE_KEYS_PLAN
         xq, qargs = output_quant(quant, b, H, D, scale_col_major, o[0])
         _exact_decode_keys_kernel[(b, G)](
             q, k, v, k_scale, v_scale, o, q0, L, float(scale) * math.log2(math.e), q.stride(1), q.stride(2),
@@ -332,7 +340,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             k_scale.stride(1), o.stride(1), o.stride(2), *qargs, HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)),
             D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, F16=q.dtype != torch.float32,
             IEEE=q.dtype == torch.float32, WIDE=wide, QUANT=xq is not None,
-            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", num_warps=warps, num_stages=stages)
+            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", PAIRS=bool(pairs and pairs[0] == 2), num_warps=warps,
+            num_stages=stages)
         return out if quant is None else (out, xq)
     block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
     R = max(R, tile_rows(hpg))
