@@ -92,8 +92,9 @@ def test_exact_attention_plans_of_decoder_and_trainer_run_one_tensor_core_instru
     assert wide["HGMMA"] and not wide["HMMA"], wide
     if kv == "fp8":  # a decode step over the FP8 cache: the key-major kernel, whose 64-key and 128-feature tiles
         # a compiler may give to warpgroup MMAs from 4 warps on (Triton 3.9 does); its plan stays under that
-        warps, stages = DECODE_KEYS_PLAN
-        keys = ks.decode_attn_plan(f"fp8keys:{BLOCK_N}:{warps}:{stages}:8", exact=True)
+        warps, stages, per_iter = DECODE_KEYS_PLAN
+        kind = "fp8pairs" if per_iter == 2 else "fp8keys"
+        keys = ks.decode_attn_plan(f"{kind}:{BLOCK_N}:{warps}:{stages}:8", exact=True)
         assert warps < 4 and keys["mix"]["HMMA"] and not keys["mix"]["HGMMA"], keys["mix"]
         # its whole blocks load K's and V's bytes as 16-byte asynchronous copies, whatever the launch's length
         assert keys["mix"]["LDGSTS"] and not any("LDG.E.U8" in ln for ln in keys["loop"]), keys["mix"]

@@ -14,7 +14,8 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
   warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
-  trainer's eight; kv ``fp8keys``: the key-major decode kernel over the FP8 cache, rows its query heads' columns);
+  trainer's eight; kv ``fp8keys``: the key-major decode kernel over the FP8 cache, rows its query heads' columns,
+  ``fp8pairs`` the same with two key blocks an iteration, the decoder's plan);
   per key and per KV byte as above, for one program's rows.
 
 The compiler is the Triton this Python imports; the H200 image runs Triton 3.6, whose wheel compiles the same code
@@ -41,7 +42,7 @@ from megatron_jetrl.kernels.exact_gemm import BF16_GROUP, _exact_gemm_kernel
 
 PLANS = "fp8:1:64:128:4:4,fp8:0:64:128:4:4,fp8:1:64:256:4:3,bf16:1:128:128:8:3,bf16:0:64:128:4:4"
 ATTN_PLANS = "bf16:64:4:2,fp8:128:4:2,fp8km:128:4:2,fp8:128:4:3,fp8:64:4:2,fp8:256:4:2"
-EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,fp8keys:64:2:3:8,bf16:64:4:2:32,fp8:64:4:2:32"
+EXACT_ATTN_PLANS = "bf16:64:4:2:16,fp8:64:4:2:16,fp8pairs:64:2:2:8,fp8keys:64:2:3:8,bf16:64:4:2:32,fp8:64:4:2:32"
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -91,14 +92,14 @@ def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: 
     return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
 
 
-def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int, PAIRS=False):
+def compile_exact_attn(kv: str, block_n: int, warps: int, stages: int, rows: int, pairs: bool = False):
     """Exact mode's attention for sm_90a: 4 query heads per KV group, head dim 128, ``rows`` query rows per program;
     ``kv`` bf16 or fp8 (the cache's bytes converted to fp16 in registers, its scales on scores and weights, V
-    key-major)."""
+    key-major; ``pairs``: the key-major decode kernel's two key blocks an iteration)."""
     if kv == "fp8keys":  # the key-major decode kernel over the FP8 cache (rows: its query heads' columns), writing the
         # output projection's FP8 input as the decoder's call does
         consts = {"HPG": 4, "BLOCK_H": rows, "D": 128, "BLOCK_D": 128, "BLOCK_N": block_n, "F16": True, "IEEE": False,
-                  "WIDE": False, "QUANT": True, "UE8M0": False, "PAIRS": PAIRS}
+                  "WIDE": False, "QUANT": True, "UE8M0": False, "PAIRS": pairs}
         types = {**_attn_types("fp8"), "q0_ptr": "*i64", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "inv_max": "fp32",
                  "fmax": "fp32", "eps": "fp32"}
         return _compile_by_name(_exact_decode_keys_kernel, types, consts, num_warps=warps, num_stages=stages)
@@ -182,14 +183,15 @@ def decode_attn_plan(plan: str, exact: bool = False) -> dict:
     warp-instructions ``per_key`` and ``per_byte`` of K and V (with the FP8 cache's scales)."""
     kv, block_n, warps, stages, *rows = plan.split(":")
     v_key_major, kv = kv == "fp8km", "fp8" if kv == "fp8km" else kv
+    pairs, kv = kv == "fp8pairs", "fp8keys" if kv == "fp8pairs" else kv
     if exact:
-        k = compile_exact_attn(kv, int(block_n), int(warps), int(stages), int(rows[0]))
+        k = compile_exact_attn(kv, int(block_n), int(warps), int(stages), int(rows[0]), pairs)
     else:
         k = compile_decode_attn(kv, int(block_n), int(warps), int(stages), block_h=int(rows[0]) if rows else None,
                                 v_key_major=v_key_major)
     loop = main_loop(k)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
-    per_key = sum(mix.values()) * int(warps) / int(block_n)
+    per_key = sum(mix.values()) * int(warps) / (int(block_n) * (2 if pairs else 1))
     fp8 = kv.startswith("fp8")
     key_bytes = 2 * 128 * (1 if fp8 else 2) + (8 if fp8 else 0)  # K + V (+ their scales)
     regs = registers(k)

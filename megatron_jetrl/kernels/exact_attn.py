@@ -42,9 +42,10 @@ S^T = K q^T and O^T += V^T P^T with the group's query heads as the MMAs' narrow 
 head-major tile pads them to 16 rows) and the weight sums as 1 . P^T. An MMA's output element is its row's and
 column's products summed in k order whichever operand holds which, so the bytes are the head-major kernel's, the
 trainer's (tests/test_gpu_exact.py on the H100; the interpreter's dot has the same property, tests/common.py); its
-loop issues 16.2 warp-instructions per key against the head-major tile's 29.4 (Triton 3.6, sm_90a:
-``tools/kernel_sass.py exact-attn``), and over the rollout's cache it takes 122 us per layer where the default
-mode's decode kernel takes 106 (H100, 64 rows x 2,176 keys; docs/decode_attention.md, "Exact mode's attention").
+loop takes two key blocks an iteration and issues 15.3 warp-instructions per key against the head-major tile's 29.4
+(Triton 3.6, sm_90a: ``tools/kernel_sass.py exact-attn``), and over the rollout's cache it takes 110 us per layer
+where the default mode's decode kernel takes 106 (H100, 64 rows x 2,176 keys; docs/decode_attention.md, "Exact
+mode's attention"). From its epilogue it writes the output projection's FP8 input, as the default kernel does.
 
 No key splits (they would reorder the softmax's sum): at batch 64 an 8B model's decode step already has
 512 (row, group) programs. The training backward recomputes through SDPA (:class:`ExactAttention`): only the
@@ -65,11 +66,15 @@ from megatron_jetrl.precision.recipe import FP8Recipe
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-# The key-major decode kernel's plan (warps, stages). Under 4 warps: from 4 on a compiler may give its 64-key and
-# 128-feature tiles to warpgroup MMAs (HGMMA; Triton 3.9 does, `tools/kernel_sass.py exact-attn --plans
-# fp8keys:64:4:3:8`), another instruction than the trainer's warp-level HMMA, and other bits. 2 warps with 2, 3 or 4
-# stages ran alike (H100, 64 rows x 2,176 keys: 120.7 / 119.8 / 121.2 us, `tools/exact_bench.py --parts long`).
-DECODE_KEYS_PLAN = (2, 3)
+# The key-major decode kernel's plan (warps, stages, key blocks an iteration). Under 4 warps: from 4 on a compiler may
+# give its 64-key and 128-feature tiles to warpgroup MMAs (HGMMA; Triton 3.9 does, `tools/kernel_sass.py exact-attn
+# --plans fp8keys:64:4:3:8`), another instruction than the trainer's warp-level HMMA, and other bits. Two blocks an
+# iteration, each block's steps unchanged (the same bytes): a program is bound by its loop's latency, and the second
+# block's loads and scores overlap the first one's softmax. H100, 64 rows x 2,176 keys over a decoder-shaped cache
+# (`tools/exact_bench.py --parts long,cache`): 110.3 us per layer against 122.3 with one block an iteration (2 warps,
+# 3 stages; 2 or 4 stages ran alike), 120.7 with 2 blocks and 3 stages, 123.0 with 4 warps; the default decode kernel
+# 106.1.
+DECODE_KEYS_PLAN = (2, 2, 2)
 
 
 @triton.jit
@@ -240,7 +245,8 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     operand holds which), the same elementwise operations in the same order, the block's weight sums as 1 . P^T
     where the head-major kernel takes P . 1; so a query's output is its bytes in the trainer's call. ``QUANT``: also
     the output projection's FP8 input from the stored output, the bytes and scales of the trainer's activation
-    quantizer (``decode_attn.store_quantized``)."""
+    quantizer (``decode_attn.store_quantized``). ``PAIRS``: two key blocks an iteration (then an odd one, then the
+    masked one), each block's steps as they are, so the same bytes."""
     b, g, heads, hm, dd, dm, q = group_query(q_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D)
     if F16:
         q = q.to(tl.float16)
@@ -304,7 +310,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     stride) are read as bytes and scales. q and k with a unit last stride; v with a unit stride in either of its
     last two dimensions (the FP8 cache keeps V key-major, ``[d, L]`` memory: the P.V product's operand tiles are then
     contiguous along the keys it sums over). A decode step (one query) over such an FP8 cache runs the key-major
-    kernel (:func:`_exact_decode_keys_kernel`, ``keys_plan`` (warps, stages) instead of :data:`DECODE_KEYS_PLAN`),
+    kernel (:func:`_exact_decode_keys_kernel`, ``keys_plan`` (warps, stages[, key blocks an iteration: 1 or 2])
+    instead of :data:`DECODE_KEYS_PLAN`),
     every other call the head-major one; ``plan``: (BLOCK_N, warps, stages, query rows per program) instead of the
     decoder's (the trainer's :data:`TRAIN_PLAN`; ``tools/exact_bench.py``), a one-query call's included. ``quant``
     (a recipe): returns ``(out, xq)``, ``xq`` the output's activation quantization for the FP8 output projection as
@@ -332,7 +339,9 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     # 64 sequences x 32K tokens); the values are the same either way
     wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
     if S == 1 and fp8 and v.stride(2) == 1 and plan is None:  # a decode step over the FP8 cache: key-major
-        warps, stages, *pairs = keys_plan or DECODE_KEYS_PLAN
+        warps, stages, per_iter = (*(keys_plan or DECODE_KEYS_PLAN), 1)[:3]
+        if per_iter not in (1, 2):
+            raise ValueError(f"exact_attention: keys_plan {keys_plan}: 1 or 2 key blocks an iteration")
         xq, qargs = output_quant(quant, b, H, D, scale_col_major, o[0])
         _exact_decode_keys_kernel[(b, G)](
             q, k, v, k_scale, v_scale, o, q0, L, float(scale) * math.log2(math.e), q.stride(1), q.stride(2),
@@ -340,7 +349,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             k_scale.stride(1), o.stride(1), o.stride(2), *qargs, HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)),
             D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, F16=q.dtype != torch.float32,
             IEEE=q.dtype == torch.float32, WIDE=wide, QUANT=xq is not None,
-            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", PAIRS=bool(pairs and pairs[0] == 2), num_warps=warps,
+            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", PAIRS=per_iter == 2, num_warps=warps,
             num_stages=stages)
         return out if quant is None else (out, xq)
     block_n, warps, stages, R = plan or (BLOCK_N, NUM_WARPS, NUM_STAGES, 0)
