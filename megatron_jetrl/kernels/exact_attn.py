@@ -299,7 +299,7 @@ TRAIN_PLAN = (BLOCK_N, NUM_WARPS, NUM_STAGES, 32)
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: torch.Tensor,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, plan: tuple[int, int, int, int] | None = None,
-                    keys_plan: tuple[int, int] | None = None, quant: FP8Recipe | None = None,
+                    keys_plan: tuple[int, ...] | None = None, quant: FP8Recipe | None = None,
                     scale_col_major: bool = False):
     """Causal attention of ``q [S, b, heads, d]`` (query ``i`` of row ``r`` at position ``q0[r] + i``) over keys
     ``k``/``v`` given as ``[b, groups, L, d]`` views indexed by position (key ``j`` of a row in column ``j``: the
