@@ -455,19 +455,18 @@ class StaticDecoder:
             else:
                 q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
             self._write_kv(kc, vc, ks, vs, k, v, idx, shift)
+        # the output projection's activation quantization in the Triton attention kernels (the exact key-major one
+        # on a decode step over the FP8 cache; the default one with one key split): xq None where a kernel cannot
+        recipe, col_major = (self._input_quant(proj, b, self.heads * self.dim)
+                             if self.fuse_attn_quant and (self.exact or mask is None) else (None, False))
         if self.exact:  # prefill and decode steps: the trainer's attention kernel over the position-indexed cache
             from megatron_jetrl.kernels.exact_attn import exact_attention
 
-            recipe, col_major = self._input_quant(proj, b, self.heads * self.dim) if self.fuse_attn_quant else (None, False)
-            if recipe is None:
-                return exact_attention(q, kc, vc, self.scale, q0, ks, vs), None
-            # a decode step over the FP8 cache: the output projection's input bytes from the kernel's epilogue, the
-            # trainer's quantizer's (xq None elsewhere: the projection quantizes)
-            return exact_attention(q, kc, vc, self.scale, q0, ks, vs, quant=recipe, scale_col_major=col_major)
+            res = exact_attention(q, kc, vc, self.scale, q0, ks, vs, quant=recipe, scale_col_major=col_major)
+            return res if recipe is not None else (res, None)
         if mask is None:  # a decode step on the exact-length kernel (keys 0..idx[0] where key_ok)
             from megatron_jetrl.kernels.decode_attn import decode_attention
 
-            recipe, col_major = self._input_quant(proj, b, self.heads * self.dim) if self.fuse_attn_quant else (None, False)
             # the views widened to the keys their rows hold (a multiple of 16: the kernel's last tile loads whole
             # 16-key vectors; past the position they hold zeros, ``prefill``)
             kc, vc, ok = self._full_rows(kc, 2), self._full_rows(vc, 2), self._full_rows(self.key_ok[rows], 1)
