@@ -263,10 +263,10 @@ def _exact_decode_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, q0_ptr
     first = 0
     if PAIRS:  # two blocks an iteration, each block's steps as they are
         for jj in range(0, full // 2):
-            m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, 2 * jj, L, m_i, l_i,
-                                        acc, sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
-            m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, 2 * jj + 1, L, m_i,
-                                        l_i, acc, sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE, WIDE)
+            for t in tl.static_range(2):
+                m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, 2 * jj + t, L,
+                                            m_i, l_i, acc, sk_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, F16, IEEE,
+                                            WIDE)
         first = full // 2 * 2
     for j in range(first, full):
         m_i, l_i, acc = _keys_block(qt, qpos, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, j, L, m_i, l_i, acc,
