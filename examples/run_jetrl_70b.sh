@@ -3,6 +3,7 @@
 # DP=2 with full recompute, 8 SGLang servers of TP=4, colocated). The HF checkpoint is converted to
 # a megatron checkpoint first, then training starts from it. Run on every node, e.g. under Slurm:
 #
+#   export JETRL_ADMIN_API_KEY=$(openssl rand -hex 16)   # the servers' admin key, the same on every node
 #   srun --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 \
 #     env HF=/models/Llama-3.1-70B-Instruct DATA=/data/deepmath.jsonl bash examples/run_jetrl_70b.sh
 #   bash examples/run_jetrl_70b.sh --dry-run --nodes 4     # anywhere: the plan, memory and commands

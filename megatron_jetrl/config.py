@@ -343,7 +343,8 @@ class RolloutConfig:
     """Put sglang-router (``pip install sglang-router``) in front of the servers: generation goes
     through it (its load balancing, retries, circuit breaker); weight updates go to every server."""
     admin_api_key: Optional[str] = None
-    """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback."""
+    """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback. None: the
+    environment's ``JETRL_ADMIN_API_KEY`` (how ``jetrl launch`` hands the fleet's key to the trainer), else none."""
     decode: Literal["static", "megatron"] = "static"
     """In-process decoding: ``static`` (our static-shape KV cache over the model's own modules, CUDA
     graphs on GPU: ``rollout/decode.py``) or ``megatron`` (megatron-core's ``StaticInferenceContext``,

@@ -1,8 +1,9 @@
 """The process environment: the one module of the package that reads ``os.environ``.
 
 Settings are typed config (``megatron_jetrl/config.py``); the environment carries only
-- our two variables, a secret and a path: ``JETRL_ADMIN_API_KEY`` (the admin key of ``jetrl serve`` and of
-  launched SGLang servers) and ``JETRL_DEEPGEMM_DIR`` (a DeepGEMM build, ``tools/build_deepgemm_sm90.py``);
+- our two variables, a secret and a path: ``JETRL_ADMIN_API_KEY`` (the admin key of ``jetrl serve``, of the
+  SGLang servers ``jetrl launch`` starts and of the trainer's requests to them; one value on every node) and
+  ``JETRL_DEEPGEMM_DIR`` (a DeepGEMM build, ``tools/build_deepgemm_sm90.py``);
 - what other programs set for us: the launcher's rank variables (torchrun, Slurm) and Triton's
   ``TRITON_INTERPRET`` (the CPU tests run our kernels under its interpreter);
 - what we hand to libraries that read their own variables (TransformerEngine's numerics switches, DeepGEMM's

@@ -493,6 +493,24 @@ def _http_routes() -> set[str]:
     return routes
 
 
+def test_fleet_takes_the_admin_key_from_the_environment(monkeypatch):
+    """`jetrl launch` hands the trainer the fleet's admin key as JETRL_ADMIN_API_KEY (its run config holds none): the
+    fleet's clients send it; a key in the config wins."""
+    from megatron_jetrl.config import load_config
+    from megatron_jetrl.precision.recipe import FP8Recipe
+    from megatron_jetrl.rollout.sglang import RolloutFleet
+
+    monkeypatch.setenv("JETRL_ADMIN_API_KEY", "from-env")
+    urls = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.server_addresses={json.dumps(urls)}"])
+    fleet = RolloutFleet(cfg, FP8Recipe(), "/nonexistent", None, colocated=False)
+    assert [s.client.admin_api_key for s in fleet.servers] == ["from-env", "from-env"]
+    cfg = load_config(None, ["rollout.engine=sglang", f"rollout.server_addresses={json.dumps(urls)}",
+                             "rollout.admin_api_key=from-config"])
+    assert RolloutFleet(cfg, FP8Recipe(), "/nonexistent", None, colocated=False).servers[0].client.admin_api_key == \
+        "from-config"
+
+
 def test_client_requests_match_sglang_source(monkeypatch):
     """Every request the client sends goes to a route SGLang's http_server defines, with fields of
     the io_struct class that route parses; jetrl serve accepts the same field sets."""

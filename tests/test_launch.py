@@ -93,7 +93,13 @@ def test_plan_70b_four_nodes_fits_two_nodes_refused():
 
 
 def test_generated_commands_parse(tmp_path):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
     from torch.distributed.run import get_args_parser
+
+    from megatron_jetrl.launch import admin_key_file, write_admin_key_file
 
     from megatron_jetrl.cli import main as cli_main  # noqa: F401 - the parser the train command meets
 
@@ -101,7 +107,8 @@ def test_generated_commands_parse(tmp_path):
     cluster = Cluster(4, 8, 80, ["gpu01", "gpu02", "gpu03", "gpu04"])
     plan = make_plan(cfg, cluster, seq_len=8192, concurrency=32)
     run_dir = str(tmp_path / "run")
-    resolved = resolve_config(cfg, plan, run_dir, str(tmp_path / "mcore"), "k", "/models/70b")
+    resolved = resolve_config(cfg, plan, run_dir, str(tmp_path / "mcore"), "/models/70b")
+    assert resolved.rollout.admin_api_key is None  # the run dir's launch_config.yaml holds no key
     assert resolved.rollout.server_addresses[0] == "http://gpu01:30000" and len(resolved.rollout.server_addresses) == 8
     assert (resolved.parallel.tensor_parallel, resolved.parallel.pipeline_parallel) == (8, 2)
     assert resolved.rollout.weight_transport == "disk"  # PP=2 sends from every stage
@@ -120,21 +127,20 @@ def test_generated_commands_parse(tmp_path):
             assert args.rdzv_endpoint == "gpu01:29500"
         assert trainer[0][-6:-2] == ["convert", "hf-to-megatron", "/models/70b", str(tmp_path / "mcore")]
         assert trainer[1][-3:] == ["train", "--config", os.path.join(run_dir, "launch_config.yaml")]
+        # each node's servers read the admin key from that node's file through SGLang's own --config merge
+        key = "0123"  # plain YAML would read it as the octal number 83
+        write_admin_key_file(admin_key_file(run_dir, node), key)
+        assert os.stat(admin_key_file(run_dir, node)).st_mode & 0o777 == 0o600
         for c in servers:
             inner = shlex.split(c[2].split("exec ", 1)[1])
             argv = inner[inner.index("sglang.launch_server") + 1:]
             assert argv[argv.index("--tp-size") + 1] == "4" and "--enable-memory-saver" in argv
             assert argv[argv.index("--model-path") + 1] == os.path.join(run_dir, "rollout", "weights")
-            try:
-                import argparse
-
-                from sglang.srt.server_args import ServerArgs
-            except ImportError:
-                continue
+            assert argv[argv.index("--config") + 1] == admin_key_file(run_dir, node)
             p = argparse.ArgumentParser()
             ServerArgs.add_cli_args(p)
-            sa = ServerArgs.from_cli_args(p.parse_args(argv))
-            assert sa.tp_size == 4 and sa.quantization == "fp8" and sa.host == "0.0.0.0" and sa.admin_api_key == "k"
+            sa = ServerArgs.from_cli_args(p.parse_args(ConfigArgumentMerger(p).merge_config_with_args(argv)))
+            assert sa.tp_size == 4 and sa.quantization == "fp8" and sa.host == "0.0.0.0" and sa.admin_api_key == key
 
 
 def test_launch_cli_dry_run_and_refusal():
@@ -151,6 +157,29 @@ def test_launch_cli_dry_run_and_refusal():
     out = subprocess.run(["bash", os.path.join(REPO, "examples", "run_jetrl_8b.sh"), "--dry-run"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "hf-to-megatron /models/Llama-3.1-8B-Instruct" in out.stdout
+
+
+def test_multi_node_launch_needs_one_admin_key(tmp_path):
+    """Each node's `jetrl launch` starts its own servers: a key made up per node would differ across nodes and the
+    trainer's weight pushes would be refused by the other nodes' servers. Without a configured key a multi-node run
+    is refused in one line before anything is written; a dry run says so and shows the commands; the key never
+    appears in a printed command."""
+    env = {k: v for k, v in os.environ.items() if k != "JETRL_ADMIN_API_KEY"}
+    env["PYTHONPATH"] = REPO
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-70b-jet", "--nodes", "4",
+            "--node-rank", "1", "--run-dir", str(run)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "launch: the servers of 4 nodes need one admin key: export JETRL_ADMIN_API_KEY=")
+    assert not run.exists()
+    out = subprocess.run([*argv, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "need one admin key" in out.stderr and "sglang.launch_server" in out.stdout
+    out = subprocess.run([*argv, "--dry-run"], env=dict(env, JETRL_ADMIN_API_KEY="s3cr3t-k3y"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "admin key" not in out.stderr
+    assert "s3cr3t-k3y" not in out.stdout and "--admin-api-key" not in out.stdout
+    assert f"--config {run}/admin/sglang_node1.yaml" in out.stdout and not run.exists()
 
 
 def test_slurm_environment():

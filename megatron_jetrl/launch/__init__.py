@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import sys
 
-from megatron_jetrl.env import admin_api_key, snapshot
+from megatron_jetrl.env import ADMIN_API_KEY, admin_api_key, snapshot
 from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts,
                                            search_layouts, server_memory, trainer_memory, valid_tp)
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -204,14 +204,16 @@ def server_urls(plan: Plan) -> list[tuple[int, int, str]]:
     return out
 
 
-def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, admin_key: str, tokenizer: str | None):
-    """The run config the trainer gets: the planned layout, the fleet's addresses, the key."""
+def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, tokenizer: str | None):
+    """The run config the trainer gets: the planned layout, the fleet's addresses. It holds no admin key (it is
+    written to the shared run directory): the trainer and ``jetrl serve`` workers get the key in their environment
+    (``JETRL_ADMIN_API_KEY``), SGLang servers in a YAML file of their ``--config`` (:func:`admin_key_file`)."""
     cfg = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, tensor_parallel=plan.layout.tp, pipeline_parallel=plan.layout.pp),
         rollout=dataclasses.replace(cfg.rollout, engine="serve" if cfg.rollout.engine == "serve" else "sglang",
                                     server_addresses=[u for *_, u in server_urls(plan)],
-                                    admin_api_key=admin_key, server_tp=plan.server_tp,
+                                    admin_api_key=None, server_tp=plan.server_tp,
                                     weight_transport="distributed" if plan.layout.pp == 1 else "disk"),
         checkpoint=dataclasses.replace(cfg.checkpoint, load_path=ckpt_dir or cfg.checkpoint.load_path),
         logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
@@ -220,11 +222,31 @@ def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, admin_ke
     return dataclasses.replace(cfg)  # every cross-check again on the resolved tree
 
 
+def admin_key_file(run_dir: str, node: int) -> str:
+    """The YAML file (``admin-api-key: KEY``, mode 0600) a node's SGLang servers read their admin key from through
+    SGLang's ``--config``: the key stays off their command lines (``ps``) and out of the printed commands."""
+    return os.path.join(run_dir, "admin", f"sglang_node{node}.yaml")
+
+
+def write_admin_key_file(path: str, key: str) -> None:
+    """``path`` holding ``key`` for SGLang's ``--config``, readable by this user only (YAML-quoted where the key
+    would otherwise parse as a number)."""
+    import yaml
+
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier launch keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump({"admin-api-key": key}, f)  # the flag's spelling: SGLang passes keys on as --KEY
+
+
 def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ckpt_dir: str | None,
              python: str = "python") -> dict[int, list[list[str]]]:
     """Per node, in order. Servers (background) wait for the trainer's initial weights
     (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup) and load them;
-    trainer nodes convert the HF checkpoint (if given) and train under torchrun."""
+    trainer nodes convert the HF checkpoint (if given) and train under torchrun. No command holds the admin key:
+    SGLang servers read it from :func:`admin_key_file`, the trainer and ``jetrl serve`` workers from
+    ``JETRL_ADMIN_API_KEY`` in the environment ``jetrl launch`` starts them with."""
     from megatron_jetrl.precision.recipe import FP8Recipe
     from megatron_jetrl.rollout.sglang import serve_argv, sglang_server_argv
 
@@ -240,6 +262,7 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
         else:
             argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated")
             argv[argv.index("--host") + 1] = "0.0.0.0"
+            argv += ["--config", admin_key_file(cfg.logging.run_dir, node)]
             launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
         out[node].append(["bash", "-c", f"until [ -f {shlex.quote(model_dir)}/config.json ]; do sleep 10; done; exec {launch}"])
     master = c.hosts[plan.trainer_nodes[0]]
@@ -267,12 +290,14 @@ def _said_ready(log_path: str) -> bool:
     return any(m in text for m in READY_MARKERS)
 
 
-def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: list[str], poll_s: float = 1.0) -> int:
+def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: list[str], poll_s: float = 1.0,
+                       env: dict | None = None) -> int:
     """Run ``cmd`` (the trainer) while this node's rollout servers run in the background. A server that exits
     with an error before its log says it is ready stops the job at once, its log named, instead of leaving
     the trainer waiting ``rollout.health_timeout_s`` for a server that will never answer. A server that
-    fails after it was ready is left to the fleet (it retries that server's prompts elsewhere)."""
-    trainer = subprocess.Popen(cmd)
+    fails after it was ready is left to the fleet (it retries that server's prompts elsewhere). ``env``: the
+    trainer's environment (None: this process's)."""
+    trainer = subprocess.Popen(cmd, env=env)
     done: set[int] = set()
     try:
         while True:
@@ -341,9 +366,20 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.run_dir or cfg.logging.run_dir)
     config_path = os.path.join(run_dir, "launch_config.yaml")
     ckpt_dir = os.path.join(run_dir, "mcore_init") if args.hf_checkpoint else None
-    admin_key = cfg.rollout.admin_api_key or admin_api_key() or secrets.token_hex(16)
+    # one key for the whole fleet: each node's launch starts its own servers, so a key made up here would differ
+    # from node to node and the trainer's weight pushes would be refused by every other node's servers
+    admin_key = cfg.rollout.admin_api_key or admin_api_key()
+    if admin_key is None and cluster.nodes > 1:
+        need = (f"launch: the servers of {cluster.nodes} nodes need one admin key: export "
+                "JETRL_ADMIN_API_KEY=$(openssl rand -hex 16) before srun (the same value on every node), or set "
+                "rollout.admin_api_key")
+        if not args.dry_run:
+            print(need, file=sys.stderr)
+            return 2
+        print(need + " (a dry run shows the commands without it)", file=sys.stderr)
+    admin_key = admin_key or secrets.token_hex(16)
     try:
-        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, admin_key, args.hf_checkpoint)
+        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, args.hf_checkpoint)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -362,17 +398,20 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(run_dir, exist_ok=True)
     save_config(resolved, config_path)
-    procs, logs, rc = [], [], 0
     mine = cmds[cluster.node_rank]
+    if resolved.rollout.engine == "sglang" and any(c[0] == "bash" for c in mine):
+        write_admin_key_file(admin_key_file(run_dir, cluster.node_rank), admin_key)
+    keyed = {ADMIN_API_KEY: admin_key}
+    procs, logs, rc = [], [], 0
     try:
         for c in mine:
             if c[0] == "bash":  # a server: in the background
                 logs.append(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"))
                 with open(logs[-1], "ab") as log:
-                    procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                                  start_new_session=True))
+                    procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT,
+                                                  env={**server_env(), **keyed}, start_new_session=True))
             else:
-                rc = run_beside_servers(c, procs, logs)
+                rc = run_beside_servers(c, procs, logs, env={**snapshot(), **keyed})
                 if rc:
                     break
         if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until stopped

@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron_jetrl.env import snapshot
+from megatron_jetrl.env import admin_api_key, snapshot
 from megatron_jetrl.distributed import free_port, free_ports
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
@@ -408,13 +408,14 @@ class RolloutFleet:
         self.pushers = {"tensor": TensorBucketPush(bucket_bytes), "distributed": DistributedBroadcastPush(bucket_bytes)}
         self.lock = threading.Lock()
         r = cfg.rollout
+        key = r.admin_api_key or admin_api_key()  # the config's, else JETRL_ADMIN_API_KEY (how `jetrl launch` gives it)
         self.servers: list[Server] = []
         # the ports of the servers this fleet starts, then the router's: consecutive, free, below the ephemeral range
         # (no other process's automatic bind takes one before its server binds it)
         owned = 0 if r.server_addresses else r.num_servers
         base = free_ports(owned + 1)
         if r.server_addresses:
-            self.servers = [Server(SGLangClient(a, r.request_timeout_s, r.admin_api_key), tp=r.server_tp)
+            self.servers = [Server(SGLangClient(a, r.request_timeout_s, key), tp=r.server_tp)
                             for a in r.server_addresses]
         else:
             for i in range(r.num_servers):
@@ -425,7 +426,7 @@ class RolloutFleet:
                                                (0 if colocated else trainer_gpus) + i * r.server_tp, colocated)]
                 else:
                     cmd = [sys.executable, "-m", "megatron_jetrl.cli", "serve", *serve_argv(cfg, model_dir, port, i)]
-                self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, r.admin_api_key),
+                self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, key),
                                            cmd, os.path.join(run_dir, "rollout_logs", f"server{i}.log"),
                                            tp=r.server_tp if r.engine == "sglang" else 1))
         self.router: Optional[Server] = self._router(base + owned) if r.router else None
