@@ -820,8 +820,19 @@ def config_to_dict(cfg: JetConfig) -> dict:
 
 
 def save_config(cfg: JetConfig, path: str) -> None:
-    """Write the resolved config as YAML (atomically)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-    os.replace(tmp, path)
+    """Write the resolved config as YAML (atomically). The temporary file's name is this writer's own: every node's
+    ``jetrl launch`` writes the run's config into the shared run directory at the same time, and a shared temporary
+    name had one node rename the file another was still writing (which then failed to rename it)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600: the run's config is read by every node's trainer, as before
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
