@@ -182,6 +182,66 @@ def test_multi_node_launch_needs_one_admin_key(tmp_path):
     assert f"--config {run}/admin/sglang_node1.yaml" in out.stdout and not run.exists()
 
 
+def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path):
+    """A launch again in the same run directory (after a crash) finds the first launch's conversion: without a flag it
+    is refused in one line before anything is written (the conversion would refuse its non-empty output mid-launch);
+    --resume continues the run without converting; --overwrite converts again (the converter's --overwrite) and the
+    trainer starts over."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = tmp_path / "run"
+    (run / "mcore_init").mkdir(parents=True)
+    (run / "mcore_init" / "model_config.json").write_text("{}")
+    argv = [sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-8b-jet", "--nodes", "1",
+            "--gpus-per-node", "8", "--hf-checkpoint", "/models/8b", "--run-dir", str(run)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        f"launch: {run}/mcore_init holds an earlier launch's conversion; --resume continues that run from its newest "
+        "checkpoint, --overwrite converts again and starts over")
+    assert sorted(os.listdir(run)) == ["mcore_init"] and os.listdir(run / "mcore_init") == ["model_config.json"]
+
+    def trainer_cmds(*flags):
+        out = subprocess.run([*argv, *flags, "--dry-run", "--json"], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [shlex.split(c) for c in json.loads(out.stdout)["commands"]["0"] if not c.startswith("bash")]
+
+    resumed = trainer_cmds("--resume")
+    assert len(resumed) == 1 and resumed[0][-3:-1] == ["train", "--config"]  # no conversion
+    over = trainer_cmds("--overwrite")
+    assert len(over) == 2 and over[0][over[0].index("hf-to-megatron") + 1:][:3] == [
+        "/models/8b", f"{run}/mcore_init", "--overwrite"]
+    out = subprocess.run([*argv, "--resume", "--overwrite", "--dry-run"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "checkpoint.overwrite" in out.stderr.strip().splitlines()[-1]
+    assert sorted(os.listdir(run)) == ["mcore_init"]
+
+
+def test_servers_wait_for_this_launchs_weights(tmp_path):
+    """A server command waits for the initial weights of this launch's trainer, not for those an earlier launch left
+    in the run directory (which the trainer replaces while a server would be loading them)."""
+    import time
+
+    cfg = _cfg("llama3.1-8b-jet")
+    plan = make_plan(cfg, Cluster(1, 8, 80, ["127.0.0.1"]), seq_len=8192, concurrency=32)
+    run = tmp_path / "run"
+    config_path = str(run / "launch_config.yaml")
+    resolved = resolve_config(cfg, plan, str(run), None, None)
+    server = commands(plan, resolved, config_path, hf_checkpoint=None, ckpt_dir=None, python="true")[0][0]
+    weights = run / "rollout" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "config.json").write_text("{}")  # the earlier launch's
+    os.utime(weights / "config.json", (time.time() - 600,) * 2)
+    (run / "launch_config.yaml").write_text("{}")  # this launch's, written before its servers start
+    proc = subprocess.Popen(server)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # still waiting
+        (weights / "config.json").write_text("{}")  # this launch's trainer writes its weights
+        assert proc.wait(timeout=15) == 0  # and the server starts (here: `true`)
+    finally:
+        proc.kill()
+
+
 def test_slurm_environment():
     import argparse
 

@@ -243,8 +243,11 @@ def write_admin_key_file(path: str, key: str) -> None:
 def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ckpt_dir: str | None,
              python: str = "python") -> dict[int, list[list[str]]]:
     """Per node, in order. Servers (background) wait for the trainer's initial weights
-    (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup) and load them;
-    trainer nodes convert the HF checkpoint (if given) and train under torchrun. No command holds the admin key:
+    (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup; newer than ``config_path``,
+    which the launch writes before it starts them) and load them;
+    trainer nodes convert the HF checkpoint (if given; again over an earlier conversion with
+    ``checkpoint.overwrite``; a resumed run gives none: it loads its own checkpoint) and train under torchrun. No
+    command holds the admin key:
     SGLang servers read it from :func:`admin_key_file`, the trainer and ``jetrl serve`` workers from
     ``JETRL_ADMIN_API_KEY`` in the environment ``jetrl launch`` starts them with."""
     from megatron_jetrl.precision.recipe import FP8Recipe
@@ -264,7 +267,10 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
             argv[argv.index("--host") + 1] = "0.0.0.0"
             argv += ["--config", admin_key_file(cfg.logging.run_dir, node)]
             launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
-        out[node].append(["bash", "-c", f"until [ -f {shlex.quote(model_dir)}/config.json ]; do sleep 10; done; exec {launch}"])
+        # the weights this launch's trainer writes: newer than this launch's config (a launch again in the run
+        # directory finds the earlier launch's, which its trainer is about to replace)
+        fresh = f"[ {shlex.quote(model_dir + '/config.json')} -nt {shlex.quote(config_path)} ]"
+        out[node].append(["bash", "-c", f"until {fresh}; do sleep 2; done; exec {launch}"])
     master = c.hosts[plan.trainer_nodes[0]]
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
                 f"--nproc-per-node={min(c.gpus_per_node, plan.trainer_gpus)}", "--rdzv-backend=c10d",
@@ -273,6 +279,7 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
         base = [*env, *torchrun, f"--node-rank={rank}"]
         if hf_checkpoint:
             out[node].append([*base, "-m", "megatron_jetrl.cli", "convert", "hf-to-megatron", hf_checkpoint, ckpt_dir,
+                              *(["--overwrite"] if cfg.checkpoint.overwrite else []),
                               f"parallel.tensor_parallel={plan.layout.tp}", f"parallel.pipeline_parallel={plan.layout.pp}"])
         out[node].append([*base, "-m", "megatron_jetrl.cli", "train", "--config", config_path])
     return out
@@ -347,6 +354,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rdzv-port", type=int, default=RDZV_PORT, help="torchrun rendezvous port")
     ap.add_argument("--hf-checkpoint", help="HF model dir: converted to a megatron checkpoint before training")
     ap.add_argument("--run-dir", default=None, help="run directory (default logging.run_dir)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in the run directory from its newest intact checkpoint (no conversion)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="start over in a run directory that holds a run: convert --hf-checkpoint again and delete the "
+                    "run's checkpoints and metrics")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, memory and commands; start nothing")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
@@ -354,8 +366,10 @@ def main(argv=None) -> int:
     from megatron_jetrl.config import preset_path
 
     path = args.config or (preset_path(args.preset) if args.preset else None)
+    overrides = [*args.overrides, *(["checkpoint.resume=true"] if args.resume else []),
+                 *(["checkpoint.overwrite=true"] if args.overwrite else [])]
     try:
-        cfg = load_config(path, args.overrides)
+        cfg = load_config(path, overrides)
         cluster = cluster_from(args)
         plan = make_plan(cfg, cluster, seq_len=args.seq_len, concurrency=args.concurrency,
                          rollout_gpus=args.rollout_gpus, fixed_tp=args.tp, fixed_pp=args.pp)
@@ -366,25 +380,31 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.run_dir or cfg.logging.run_dir)
     config_path = os.path.join(run_dir, "launch_config.yaml")
     ckpt_dir = os.path.join(run_dir, "mcore_init") if args.hf_checkpoint else None
+    refusals = []  # what a real run refuses before it writes anything (a dry run says it and shows the commands)
     # one key for the whole fleet: each node's launch starts its own servers, so a key made up here would differ
     # from node to node and the trainer's weight pushes would be refused by every other node's servers
     admin_key = cfg.rollout.admin_api_key or admin_api_key()
     if admin_key is None and cluster.nodes > 1:
-        need = (f"launch: the servers of {cluster.nodes} nodes need one admin key: export "
-                "JETRL_ADMIN_API_KEY=$(openssl rand -hex 16) before srun (the same value on every node), or set "
-                "rollout.admin_api_key")
-        if not args.dry_run:
-            print(need, file=sys.stderr)
-            return 2
-        print(need + " (a dry run shows the commands without it)", file=sys.stderr)
+        refusals.append(f"launch: the servers of {cluster.nodes} nodes need one admin key: export "
+                        "JETRL_ADMIN_API_KEY=$(openssl rand -hex 16) before srun (the same value on every node), or "
+                        "set rollout.admin_api_key")
     admin_key = admin_key or secrets.token_hex(16)
+    # a launch again in the same run directory (after a crash, say) finds the first one's conversion
+    if ckpt_dir and not (args.resume or args.overwrite) and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        refusals.append(f"launch: {ckpt_dir} holds an earlier launch's conversion; --resume continues that run from "
+                        "its newest checkpoint, --overwrite converts again and starts over")
+    if refusals and not args.dry_run:
+        print(refusals[0], file=sys.stderr)
+        return 2
+    for line in refusals:
+        print(line + " (a dry run shows the commands regardless)", file=sys.stderr)
     try:
         resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, args.hf_checkpoint)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    cmds = commands(plan, resolved, config_path, hf_checkpoint=args.hf_checkpoint, ckpt_dir=ckpt_dir,
-                    python=sys.executable)
+    cmds = commands(plan, resolved, config_path, hf_checkpoint=None if args.resume else args.hf_checkpoint,
+                    ckpt_dir=ckpt_dir, python=sys.executable)
     summary = plan.summary()
     if args.json:
         print(json.dumps({**summary, "commands": {str(k): [shlex.join(c) for c in v] for k, v in cmds.items()}}, indent=1))
