@@ -242,6 +242,36 @@ def test_servers_wait_for_this_launchs_weights(tmp_path):
         proc.kill()
 
 
+def test_rollout_only_node_serves_until_the_training_ends(tmp_path):
+    """A rollout-only node's launch (disaggregated, several nodes) stops its servers once the first trainer node's
+    launch says the training ended, in a file newer than this launch's config (an earlier launch's is ignored);
+    servers that all exit first end it with their worst code."""
+    import threading
+    import time
+
+    from megatron_jetrl.launch import serve_until_trained, write_done
+
+    done, since = str(tmp_path / "launch_done.json"), tmp_path / "launch_config.yaml"
+    write_done(done, 1)  # an earlier launch's
+    os.utime(done, (time.time() - 600,) * 2)
+    since.write_text("{}")
+    server = subprocess.Popen(["sleep", "60"])
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(serve_until_trained([server], done, str(since), 0.05)))
+    try:
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive() and server.poll() is None  # the earlier launch's file does not stop it
+        write_done(done, 0)
+        waiter.join(timeout=5)
+        assert result == [0] and sorted(os.listdir(tmp_path)) == ["launch_config.yaml", "launch_done.json"]
+    finally:
+        server.kill()
+        server.wait()
+    dead = [subprocess.Popen(["sh", "-c", f"exit {c}"]) for c in (0, 3)]
+    assert serve_until_trained(dead, str(tmp_path / "never.json"), str(since), 0.05) == 3
+
+
 def test_slurm_environment():
     import argparse
 
@@ -353,6 +383,7 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rows)
     assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in rows[1:])
     assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()
+    assert json.loads((run / "launch_done.json").read_text()) == {"rc": 0}  # for rollout-only nodes
     left = subprocess.run(["pgrep", "-f", f"serve --model-path {run}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""  # the servers were stopped with the job
 

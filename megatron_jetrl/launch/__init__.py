@@ -297,6 +297,36 @@ def _said_ready(log_path: str) -> bool:
     return any(m in text for m in READY_MARKERS)
 
 
+DONE_FILE = "launch_done.json"  # in the run directory: the training's end, for the rollout-only nodes
+
+
+def write_done(path: str, rc: int) -> None:
+    """The first trainer node's launch says the training ended (its exit code), atomically."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rc": rc}, f)
+    os.replace(tmp, path)
+
+
+def serve_until_trained(servers: list[subprocess.Popen], done_path: str, since_path: str, poll_s: float = 5.0) -> int:
+    """A rollout-only node (disaggregated, more than one node) serves until the first trainer node's launch writes
+    ``done_path`` newer than ``since_path`` (this launch's config; an earlier launch's file is older), then 0 (the
+    caller stops its servers); or, if every server exits first, their worst exit code. Without it the node's
+    servers would outlive the training and hold the job's allocation until its time limit."""
+    import time
+
+    while True:
+        codes = [p.poll() for p in servers]
+        if all(c is not None for c in codes):
+            return max(codes)
+        try:
+            if os.path.getmtime(done_path) > os.path.getmtime(since_path):
+                return 0
+        except OSError:  # not written yet
+            pass
+        time.sleep(poll_s)
+
+
 def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: list[str], poll_s: float = 1.0,
                        env: dict | None = None) -> int:
     """Run ``cmd`` (the trainer) while this node's rollout servers run in the background. A server that exits
@@ -422,6 +452,7 @@ def main(argv=None) -> int:
     if resolved.rollout.engine == "sglang" and any(c[0] == "bash" for c in mine):
         write_admin_key_file(admin_key_file(run_dir, cluster.node_rank), admin_key)
     keyed = {ADMIN_API_KEY: admin_key}
+    done_path = os.path.join(run_dir, DONE_FILE)
     procs, logs, rc = [], [], 0
     try:
         for c in mine:
@@ -434,12 +465,14 @@ def main(argv=None) -> int:
                 rc = run_beside_servers(c, procs, logs, env={**snapshot(), **keyed})
                 if rc:
                     break
-        if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until stopped
-            rc = max(p.wait() for p in procs)
+        if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until the training ends
+            rc = serve_until_trained(procs, done_path, config_path)
     except KeyboardInterrupt:
         rc = 130
     finally:
         for p in procs:  # each server with its children (SGLang's scheduler processes)
             if p.poll() is None:
                 os.killpg(p.pid, 15)
+        if plan.trainer_nodes and cluster.node_rank == plan.trainer_nodes[0]:
+            write_done(done_path, rc)
     return rc
