@@ -46,6 +46,23 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"free_ports: no {n} consecutive free ports below {low}")
 
 
+def address_toward(host: str) -> str:
+    """This machine's address as seen from ``host``: the local address of its route there (a process on ``host``
+    connects back to it, e.g. to a weight-update group's store); loopback for a loopback host. Not the host name's
+    own address: clusters (and Debian's default /etc/hosts) often map a node's name to 127.0.0.1 or 127.0.1.1,
+    which a process on another node cannot reach. A UDP ``connect`` picks the route and sends nothing."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)
+        target = infos[0][4][0]
+        if target.startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:  # unresolvable or unroutable from here: the host name's address is all there is
+        return socket.gethostbyname(socket.gethostname())
+
+
 def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Initialize torch.distributed from the torchrun environment (or as a single process) and
     megatron-core's TP/PP/EP/DP groups. On a CPU-only machine installs ``platform``'s redirections."""

@@ -511,6 +511,35 @@ def test_fleet_takes_the_admin_key_from_the_environment(monkeypatch):
         "from-config"
 
 
+def test_weight_update_group_address_is_reachable_from_other_nodes(monkeypatch):
+    """The broadcast push tells each server where the group's store listens: this machine's address on its route to
+    that server (for a loopback server, loopback), not its host name's address, which on this machine (as under
+    Debian's default /etc/hosts) is 127.0.0.1 and would send a server on another node to itself."""
+    import socket
+
+    import megatron_jetrl.distributed as distributed
+    from megatron_jetrl.rollout.sglang import Server
+    from megatron_jetrl.sync.server_push import DistributedBroadcastPush
+
+    remote = "10.255.255.1"  # a host on another node (a UDP connect picks the route and sends nothing)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((remote, 9))
+        except OSError:
+            pytest.skip("this machine has no route off itself")
+    assert distributed.address_toward("127.0.0.1") == distributed.address_toward("localhost") == "127.0.0.1"
+    mine = distributed.address_toward(remote)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((mine, 0))  # one of this machine's own addresses
+    assert not mine.startswith("127.")
+    asked = []
+    monkeypatch.setattr(distributed, "init_custom_group", lambda *a, **k: object())
+    monkeypatch.setattr(SGLangClient, "init_weights_update_group", lambda self, addr, *a: asked.append((self.url, addr)))
+    servers = [Server(SGLangClient(f"http://{remote}:30000"), tp=2), Server(SGLangClient("http://127.0.0.1:30001"))]
+    DistributedBroadcastPush(1 << 20).ensure_group(servers)
+    assert sorted(asked) == [("http://10.255.255.1:30000", mine), ("http://127.0.0.1:30001", "127.0.0.1")]
+
+
 def test_client_requests_match_sglang_source(monkeypatch):
     """Every request the client sends goes to a route SGLang's http_server defines, with fields of
     the io_struct class that route parses; jetrl serve accepts the same field sets."""

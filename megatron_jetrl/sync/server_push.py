@@ -14,9 +14,9 @@ concurrently and leaves out the ones that fail (the fleet's ``_each``). ``send``
 from __future__ import annotations
 
 import base64
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
 import torch
 
@@ -58,7 +58,7 @@ class DistributedBroadcastPush:
         self.group, self.members = None, ()
 
     def ensure_group(self, servers: list) -> None:
-        from megatron_jetrl.distributed import free_port, init_custom_group
+        from megatron_jetrl.distributed import address_toward, free_port, init_custom_group
 
         members = tuple(s.client.url for s in servers)
         if self.group is not None and members == self.members:
@@ -71,9 +71,8 @@ class DistributedBroadcastPush:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         local = all("127.0.0.1" in s.client.url for s in servers)
         with ThreadPoolExecutor(len(servers)) as ex:
-            futs = [ex.submit(s.client.init_weights_update_group, "127.0.0.1" if s.client.url.startswith("http://127.")
-                              else socket.gethostbyname(socket.gethostname()), port, offset, world,
-                              self.group_name, backend) for s, offset in zip(servers, offsets)]
+            futs = [ex.submit(s.client.init_weights_update_group, address_toward(urlsplit(s.client.url).hostname),
+                              port, offset, world, self.group_name, backend) for s, offset in zip(servers, offsets)]
             self.group = init_custom_group(backend, "127.0.0.1" if local else "0.0.0.0", port, 0, world, self.group_name)
             for f in futs:
                 f.result()
