@@ -24,7 +24,7 @@ from megatron_jetrl.scheduler import Scheduler, make_scheduler
 from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
-from megatron_jetrl.trainer.checkpoint import load_checkpoint
+from megatron_jetrl.trainer.checkpoint import check_model_matches, load_checkpoint
 from megatron_jetrl.trainer.run_dir import check_run_dir, clear_run
 
 log = logging.getLogger("jetrl")
@@ -55,6 +55,8 @@ def setup(cfg: JetConfig) -> Run:
     reward_fn = get_reward(cfg.data.reward)
     val = val_samples(cfg) if cfg.eval.interval else []
     resume_path = check_run_dir(cfg)
+    if cfg.checkpoint.load_path and not resume_path:
+        check_model_matches(cfg.checkpoint.load_path, cfg.model)
     init_distributed(cfg.parallel, cfg.seed)
     if resume_path and dist.is_initialized() and dist.get_world_size() > 1:
         box = [resume_path]

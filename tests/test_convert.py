@@ -161,6 +161,21 @@ def test_train_starts_from_a_converted_checkpoint(tmp_path):
                           str(tmp_path / "bad"), "steps=1", f"checkpoint.load_path={tmp_path / 'nope'}"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("checkpoint error: checkpoint.load_path")
+    # the converted model described field by field but with Llama-3.1's RoPE scaling: the same tensors would load and
+    # compute another function; refused in one line before the run directory is written
+    with open(tmp_path / "mcore" / "model_config.json") as f:
+        fields = {k: v for k, v in json.load(f).items() if v is not None and k not in ("hf_path", "generation_config")}
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    other = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", "--preset", "tiny", "--run-dir",
+                            str(tmp_path / "other"), "steps=1", f"checkpoint.load_path={tmp_path / 'mcore'}",
+                            *[f"model.{k}={json.dumps(v)}" for k, v in fields.items()],
+                            f"model.rope_scaling={json.dumps(scaled)}"], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(
+        f"config error: model.rope_scaling: checkpoint.load_path '{tmp_path / 'mcore'}' holds a model with None, "
+        "this config builds {'rope_type': 'llama3'"), other.stderr[-2000:]
+    assert not (tmp_path / "other").exists()
 
 
 def test_special_tokens_generation_config_and_stop_ids_carry_through(tmp_path, megatron_single):

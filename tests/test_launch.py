@@ -107,7 +107,7 @@ def test_generated_commands_parse(tmp_path):
     cluster = Cluster(4, 8, 80, ["gpu01", "gpu02", "gpu03", "gpu04"])
     plan = make_plan(cfg, cluster, seq_len=8192, concurrency=32)
     run_dir = str(tmp_path / "run")
-    resolved = resolve_config(cfg, plan, run_dir, str(tmp_path / "mcore"), "/models/70b")
+    resolved = resolve_config(cfg, plan, run_dir, str(tmp_path / "mcore"))
     assert resolved.rollout.admin_api_key is None  # the run dir's launch_config.yaml holds no key
     assert resolved.rollout.server_addresses[0] == "http://gpu01:30000" and len(resolved.rollout.server_addresses) == 8
     assert (resolved.parallel.tensor_parallel, resolved.parallel.pipeline_parallel) == (8, 2)
@@ -183,16 +183,25 @@ def test_multi_node_launch_needs_one_admin_key(tmp_path):
 
 
 def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path):
-    """A launch again in the same run directory (after a crash) finds the first launch's conversion: without a flag it
-    is refused in one line before anything is written (the conversion would refuse its non-empty output mid-launch);
-    --resume continues the run without converting; --overwrite converts again (the converter's --overwrite) and the
-    trainer starts over."""
+    """A launch whose HF checkpoint is missing is refused in one line. A launch again in the same run directory (after
+    a crash) finds the first launch's conversion: without a flag it is refused in one line before anything is written
+    (the conversion would refuse its non-empty output mid-launch); --resume continues the run without converting;
+    --overwrite converts again (the converter's --overwrite) and the trainer starts over."""
+    from tests.hf_models import make_hf_model
+
     env = dict(os.environ, PYTHONPATH=REPO)
+    hf = str(tmp_path / "hf")
+    make_hf_model("llama", hf)
     run = tmp_path / "run"
     (run / "mcore_init").mkdir(parents=True)
     (run / "mcore_init" / "model_config.json").write_text("{}")
     argv = [sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-8b-jet", "--nodes", "1",
-            "--gpus-per-node", "8", "--hf-checkpoint", "/models/8b", "--run-dir", str(run)]
+            "--gpus-per-node", "8", "--hf-checkpoint", hf, "--run-dir", str(run)]
+    missing = [*argv[:argv.index(hf)], str(tmp_path / "nohf"), *argv[argv.index(hf) + 1:]]
+    out = subprocess.run(missing, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        f"config error: model.hf_path: no config.json in '{tmp_path / 'nohf'}'; point model.hf_path at an HF model "
+        "directory")
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
         f"launch: {run}/mcore_init holds an earlier launch's conversion; --resume continues that run from its newest "
@@ -209,7 +218,7 @@ def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path):
     assert len(resumed) == 1 and resumed[0][-3:-1] == ["train", "--config"]  # no conversion
     over = trainer_cmds("--overwrite")
     assert len(over) == 2 and over[0][over[0].index("hf-to-megatron") + 1:][:3] == [
-        "/models/8b", f"{run}/mcore_init", "--overwrite"]
+        hf, f"{run}/mcore_init", "--overwrite"]
     out = subprocess.run([*argv, "--resume", "--overwrite", "--dry-run"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "checkpoint.overwrite" in out.stderr.strip().splitlines()[-1]
@@ -225,7 +234,7 @@ def test_servers_wait_for_this_launchs_weights(tmp_path):
     plan = make_plan(cfg, Cluster(1, 8, 80, ["127.0.0.1"]), seq_len=8192, concurrency=32)
     run = tmp_path / "run"
     config_path = str(run / "launch_config.yaml")
-    resolved = resolve_config(cfg, plan, str(run), None, None)
+    resolved = resolve_config(cfg, plan, str(run), None)
     server = commands(plan, resolved, config_path, hf_checkpoint=None, ckpt_dir=None, python="true")[0][0]
     weights = run / "rollout" / "weights"
     weights.mkdir(parents=True)
@@ -240,6 +249,40 @@ def test_servers_wait_for_this_launchs_weights(tmp_path):
         assert proc.wait(timeout=15) == 0  # and the server starts (here: `true`)
     finally:
         proc.kill()
+
+
+def test_launch_trains_the_model_the_hf_checkpoint_states(tmp_path):
+    """With --hf-checkpoint the run's model is the checkpoint's (Llama-3.1's RoPE scaling, shapes, tokenizer), not the
+    preset's, which lacks the scaling: the trainer builds the model the conversion writes, as the trainer's check of
+    its checkpoint.load_path confirms (the preset's model fails it). A dry run where the checkpoint is absent plans
+    with the preset's model and says so."""
+    from megatron_jetrl.config import ConfigError, ModelConfig
+    from megatron_jetrl.launch import load_launch_config
+    from megatron_jetrl.trainer.checkpoint import check_model_matches, write_model_config
+    from tests.hf_models import make_hf_model
+
+    hf = str(tmp_path / "hf")
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    make_hf_model("llama", hf, rope_parameters=dict(rope))
+    preset = os.path.join(CONFIGS, "llama3.1-70b-jet.yaml")
+    cfg = load_launch_config(preset, [], hf)
+    assert cfg.model.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert (cfg.model.hf_path, cfg.model.tokenizer, cfg.model.rope_theta) == (hf, hf, 500000.0)
+    plan = make_plan(cfg, Cluster(1, 8, 80, ["n0"]), seq_len=1024, concurrency=4)
+    resolved = resolve_config(cfg, plan, str(tmp_path / "run"), str(tmp_path / "mcore"))
+    converted = tmp_path / "mcore"
+    converted.mkdir()
+    write_model_config(str(converted), ModelConfig(hf_path=hf))  # what hf-to-megatron writes beside the weights
+    check_model_matches(str(converted), resolved.model)
+    with pytest.raises(ConfigError, match=r"^config error: model\.hidden_size: checkpoint.load_path .* holds a model "
+                       r"with 256, this config builds 8192 \(and \d+ more\)"):
+        check_model_matches(str(converted), load_launch_config(preset, [], None).model)
+    notes = []
+    away = load_launch_config(preset, [], str(tmp_path / "elsewhere"), dry_run=True, notes=notes)
+    assert away.model.hidden_size == 8192 and notes[0].startswith(f"launch: {tmp_path}/elsewhere has no config.json")
+    with pytest.raises(ConfigError, match="model.hf_path: no config.json"):
+        load_launch_config(preset, [], str(tmp_path / "elsewhere"))
 
 
 def test_rollout_only_node_serves_until_the_training_ends(tmp_path):

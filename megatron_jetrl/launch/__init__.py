@@ -204,7 +204,7 @@ def server_urls(plan: Plan) -> list[tuple[int, int, str]]:
     return out
 
 
-def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, tokenizer: str | None):
+def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None):
     """The run config the trainer gets: the planned layout, the fleet's addresses. It holds no admin key (it is
     written to the shared run directory): the trainer and ``jetrl serve`` workers get the key in their environment
     (``JETRL_ADMIN_API_KEY``), SGLang servers in a YAML file of their ``--config`` (:func:`admin_key_file`)."""
@@ -217,8 +217,6 @@ def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, tokenize
                                     weight_transport="distributed" if plan.layout.pp == 1 else "disk"),
         checkpoint=dataclasses.replace(cfg.checkpoint, load_path=ckpt_dir or cfg.checkpoint.load_path),
         logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
-    if tokenizer:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer=tokenizer))
     return dataclasses.replace(cfg)  # every cross-check again on the resolved tree
 
 
@@ -362,8 +360,30 @@ def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: li
             trainer.wait()
 
 
+def load_launch_config(path: str | None, overrides: list[str], hf_checkpoint: str | None, dry_run: bool = False,
+                       notes: list | None = None):
+    """The run config; with ``hf_checkpoint``, its model as the checkpoint states it (shapes, RoPE scaling, special
+    tokens, generation config: ``model.hf_path``) and its tokenizer, whatever the preset says: the plan is made for
+    that model, and the trainer builds the model the conversion wrote (``check_model_matches`` holds it to that). A
+    dry run away from the checkpoint (no config.json there) plans with the config's own model and says so in
+    ``notes``; a run refuses it (``ConfigError``)."""
+    from megatron_jetrl.config import ConfigError, load_config
+
+    if not hf_checkpoint:
+        return load_config(path, overrides)
+    try:
+        return load_config(path, [*overrides, f"model.hf_path={hf_checkpoint}", f"model.tokenizer={hf_checkpoint}"])
+    except ConfigError:
+        if not (dry_run and not os.path.isfile(os.path.join(hf_checkpoint, "config.json"))):
+            raise
+    if notes is not None:
+        notes.append(f"launch: {hf_checkpoint} has no config.json here: the plan takes the config's model (a run "
+                     "takes the checkpoint's)")
+    return load_config(path, overrides)
+
+
 def main(argv=None) -> int:
-    from megatron_jetrl.config import ConfigError, load_config, save_config
+    from megatron_jetrl.config import ConfigError, save_config
     from megatron_jetrl.rollout.sglang import server_env
 
     ap = argparse.ArgumentParser(prog="jetrl launch", description=__doc__.split("\n\n")[0])
@@ -398,8 +418,9 @@ def main(argv=None) -> int:
     path = args.config or (preset_path(args.preset) if args.preset else None)
     overrides = [*args.overrides, *(["checkpoint.resume=true"] if args.resume else []),
                  *(["checkpoint.overwrite=true"] if args.overwrite else [])]
+    notes = []  # said on a dry run
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_launch_config(path, overrides, args.hf_checkpoint, args.dry_run, notes)
         cluster = cluster_from(args)
         plan = make_plan(cfg, cluster, seq_len=args.seq_len, concurrency=args.concurrency,
                          rollout_gpus=args.rollout_gpus, fixed_tp=args.tp, fixed_pp=args.pp)
@@ -427,9 +448,11 @@ def main(argv=None) -> int:
         print(refusals[0], file=sys.stderr)
         return 2
     for line in refusals:
-        print(line + " (a dry run shows the commands regardless)", file=sys.stderr)
+        notes.append(line + " (a dry run shows the commands regardless)")
+    for line in notes:
+        print(line, file=sys.stderr)
     try:
-        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, args.hf_checkpoint)
+        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2

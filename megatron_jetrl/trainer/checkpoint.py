@@ -90,6 +90,33 @@ def write_model_config(directory: str, model_cfg) -> None:
         json.dump(fields, f, indent=1)
 
 
+# The ModelConfig fields that define the function a checkpoint's weights compute: a model built with other values
+# loads the same tensors and computes something else (RoPE scaling, epsilon, theta), or fails to load them.
+ARCH_FIELDS = ("model_type", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "ffn_hidden_size", "vocab_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
+               "num_experts", "moe_top_k", "moe_ffn_hidden_size", "norm_topk_prob")
+
+
+def check_model_matches(ckpt_dir: str, model_cfg) -> None:
+    """Before a run starts from ``checkpoint.load_path``: the model it builds is the one the checkpoint was written
+    with (its model_config.json), field by field over ``ARCH_FIELDS``; else one ``ConfigError`` line naming the
+    first field that differs. Checkpoints without a model_config.json (written elsewhere) are not checked."""
+    from megatron_jetrl.config import ConfigError
+
+    path = os.path.join(ckpt_dir, MODEL_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    diff = [k for k in ARCH_FIELDS if k in saved and saved[k] != getattr(model_cfg, k)]
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"config error: model.{k}: checkpoint.load_path {ckpt_dir!r} holds a model with "
+                          f"{saved[k]!r}, this config builds {getattr(model_cfg, k)!r}"
+                          f"{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; set model.hf_path to the "
+                          "checkpoint's HF directory, or the model fields to its model_config.json")
+
+
 def read_model_config(ckpt_dir: str):
     """The ModelConfig a checkpoint was written with (its model_config.json)."""
     from megatron_jetrl.config import ConfigError, ModelConfig
