@@ -159,69 +159,74 @@ def test_launch_cli_dry_run_and_refusal():
     assert out.returncode == 0 and "hf-to-megatron /models/Llama-3.1-8B-Instruct" in out.stdout
 
 
-def test_multi_node_launch_needs_one_admin_key(tmp_path):
+def _launch(capsys, *argv: str) -> tuple[int, str, str]:
+    """``jetrl launch ARGV`` in this process (the paths tested here return before starting anything): its exit code,
+    stdout and stderr."""
+    from megatron_jetrl.launch import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_multi_node_launch_needs_one_admin_key(tmp_path, capsys, monkeypatch):
     """Each node's `jetrl launch` starts its own servers: a key made up per node would differ across nodes and the
     trainer's weight pushes would be refused by the other nodes' servers. Without a configured key a multi-node run
     is refused in one line before anything is written; a dry run says so and shows the commands; the key never
     appears in a printed command."""
-    env = {k: v for k, v in os.environ.items() if k != "JETRL_ADMIN_API_KEY"}
-    env["PYTHONPATH"] = REPO
+    monkeypatch.delenv("JETRL_ADMIN_API_KEY", raising=False)
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-70b-jet", "--nodes", "4",
-            "--node-rank", "1", "--run-dir", str(run)]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+    argv = ["--preset", "llama3.1-70b-jet", "--nodes", "4", "--node-rank", "1", "--run-dir", str(run)]
+    rc, _, err = _launch(capsys, *argv)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith(
         "launch: the servers of 4 nodes need one admin key: export JETRL_ADMIN_API_KEY=")
     assert not run.exists()
-    out = subprocess.run([*argv, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "need one admin key" in out.stderr and "sglang.launch_server" in out.stdout
-    out = subprocess.run([*argv, "--dry-run"], env=dict(env, JETRL_ADMIN_API_KEY="s3cr3t-k3y"), capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and "admin key" not in out.stderr
-    assert "s3cr3t-k3y" not in out.stdout and "--admin-api-key" not in out.stdout
-    assert f"--config {run}/admin/sglang_node1.yaml" in out.stdout and not run.exists()
+    rc, out, err = _launch(capsys, *argv, "--dry-run")
+    assert rc == 0 and "need one admin key" in err and "sglang.launch_server" in out
+    monkeypatch.setenv("JETRL_ADMIN_API_KEY", "s3cr3t-k3y")
+    rc, out, err = _launch(capsys, *argv, "--dry-run")
+    assert rc == 0 and "admin key" not in err
+    assert "s3cr3t-k3y" not in out and "--admin-api-key" not in out
+    assert f"--config {run}/admin/sglang_node1.yaml" in out and not run.exists()
 
 
-def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path):
+def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path, capsys):
     """A launch whose HF checkpoint is missing is refused in one line. A launch again in the same run directory (after
     a crash) finds the first launch's conversion: without a flag it is refused in one line before anything is written
     (the conversion would refuse its non-empty output mid-launch); --resume continues the run without converting;
     --overwrite converts again (the converter's --overwrite) and the trainer starts over."""
     from tests.hf_models import make_hf_model
 
-    env = dict(os.environ, PYTHONPATH=REPO)
     hf = str(tmp_path / "hf")
     make_hf_model("llama", hf)
     run = tmp_path / "run"
     (run / "mcore_init").mkdir(parents=True)
     (run / "mcore_init" / "model_config.json").write_text("{}")
-    argv = [sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "llama3.1-8b-jet", "--nodes", "1",
-            "--gpus-per-node", "8", "--hf-checkpoint", hf, "--run-dir", str(run)]
-    missing = [*argv[:argv.index(hf)], str(tmp_path / "nohf"), *argv[argv.index(hf) + 1:]]
-    out = subprocess.run(missing, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+    argv = ["--preset", "llama3.1-8b-jet", "--nodes", "1", "--gpus-per-node", "8", "--run-dir", str(run)]
+    rc, _, err = _launch(capsys, *argv, "--hf-checkpoint", str(tmp_path / "nohf"))
+    assert rc == 2 and err.strip().splitlines()[-1] == (
         f"config error: model.hf_path: no config.json in '{tmp_path / 'nohf'}'; point model.hf_path at an HF model "
         "directory")
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+    argv += ["--hf-checkpoint", hf]
+    rc, _, err = _launch(capsys, *argv)
+    assert rc == 2 and err.strip().splitlines()[-1] == (
         f"launch: {run}/mcore_init holds an earlier launch's conversion; --resume continues that run from its newest "
         "checkpoint, --overwrite converts again and starts over")
     assert sorted(os.listdir(run)) == ["mcore_init"] and os.listdir(run / "mcore_init") == ["model_config.json"]
 
     def trainer_cmds(*flags):
-        out = subprocess.run([*argv, *flags, "--dry-run", "--json"], env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert out.returncode == 0, out.stderr
-        return [shlex.split(c) for c in json.loads(out.stdout)["commands"]["0"] if not c.startswith("bash")]
+        rc, out, err = _launch(capsys, *argv, *flags, "--dry-run", "--json")
+        assert rc == 0, err
+        return [shlex.split(c) for c in json.loads(out)["commands"]["0"] if not c.startswith("bash")]
 
     resumed = trainer_cmds("--resume")
     assert len(resumed) == 1 and resumed[0][-3:-1] == ["train", "--config"]  # no conversion
     over = trainer_cmds("--overwrite")
     assert len(over) == 2 and over[0][over[0].index("hf-to-megatron") + 1:][:3] == [
         hf, f"{run}/mcore_init", "--overwrite"]
-    out = subprocess.run([*argv, "--resume", "--overwrite", "--dry-run"], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2 and "checkpoint.overwrite" in out.stderr.strip().splitlines()[-1]
+    rc, _, err = _launch(capsys, *argv, "--resume", "--overwrite", "--dry-run")
+    assert rc == 2 and "checkpoint.overwrite" in err.strip().splitlines()[-1]
     assert sorted(os.listdir(run)) == ["mcore_init"]
 
 
