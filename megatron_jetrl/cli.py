@@ -82,8 +82,8 @@ def cmd_eval(args) -> int:
 
     run_dir = tempfile.mkdtemp(prefix="jetrl-eval-")
     try:
-        model = read_model_config(args.checkpoint)  # the checkpoint's own model description
-        shape = [f"model.{k}={json.dumps(v)}" for k, v in vars(model).items() if v is not None and k != "hf_path"]
+        model = read_model_config(args.checkpoint)  # the checkpoint's own model description, None fields included
+        shape = [f"model.{k}={json.dumps(v)}" for k, v in vars(model).items() if k != "hf_path"]  # (no RoPE scaling: null)
         cfg = load_config(args.config or (preset_path(args.preset) if args.preset else None), [
             *shape, f"checkpoint.load_path={args.checkpoint}", f"data.val_path={json.dumps(args.data)}", "steps=1",
             "algo.sft_warmup_steps=0", "eval.interval=1", f"logging.run_dir={run_dir}", "logging.tensorboard=false",

@@ -91,10 +91,19 @@ def test_train_with_chat_data_and_eval_over_a_fleet_then_jetrl_eval(chat_tok, tm
     assert len(rl) == 2 and all(0 <= r["eval/accuracy"] <= 1 and 0 <= r["eval/pass@2"] <= 1 for r in rl)
     assert all("truncated_fraction" in r and r["parity_mismatch"] == 0 for r in rl)
     assert not any("eval/accuracy" in r for r in rows if r["is_rl"] == 0.0)
+    # the jet evaluation from a config whose model has Llama-3.1's RoPE scaling: eval builds the checkpoint's model
+    # (plain RoPE, its model_config.json's null), not the config's
+    import yaml
+
+    scaled = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "tiny.yaml")))
+    scaled["model"]["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    with open(tmp_path / "scaled.yaml", "w") as f:
+        yaml.safe_dump(scaled, f)
     res = {}
-    for mode in ("bf16", "jet"):
+    for mode, config in (("bf16", ["--preset", "tiny"]), ("jet", ["--config", str(tmp_path / "scaled.yaml")])):
         ev = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "eval", str(run / "checkpoints" / "step_2"),
-                             "--data", str(tmp_path / "val.jsonl"), "--preset", "tiny", f"model.tokenizer={chat_tok}",
+                             "--data", str(tmp_path / "val.jsonl"), *config, f"model.tokenizer={chat_tok}",
                              "data.answer_key=reward_model.ground_truth", "eval.n_samples=2", f"precision.mode={mode}"],
                             env=ENV, capture_output=True, text=True, timeout=300)
         assert ev.returncode == 0, ev.stderr[-3000:]
