@@ -413,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
+    if args.hf_checkpoint:  # the trainer's config and every node's conversion name it: one absolute path
+        args.hf_checkpoint = os.path.abspath(args.hf_checkpoint)
     from megatron_jetrl.config import preset_path
 
     path = args.config or (preset_path(args.preset) if args.preset else None)
