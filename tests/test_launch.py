@@ -93,10 +93,7 @@ def test_plan_70b_four_nodes_fits_two_nodes_refused():
 
 
 def test_generated_commands_parse(tmp_path):
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+    from sglang.srt.server_args import prepare_server_args
     from torch.distributed.run import get_args_parser
 
     from megatron_jetrl.launch import admin_key_file, write_admin_key_file
@@ -137,9 +134,7 @@ def test_generated_commands_parse(tmp_path):
             assert argv[argv.index("--tp-size") + 1] == "4" and "--enable-memory-saver" in argv
             assert argv[argv.index("--model-path") + 1] == os.path.join(run_dir, "rollout", "weights")
             assert argv[argv.index("--config") + 1] == admin_key_file(run_dir, node)
-            p = argparse.ArgumentParser()
-            ServerArgs.add_cli_args(p)
-            sa = ServerArgs.from_cli_args(p.parse_args(ConfigArgumentMerger(p).merge_config_with_args(argv)))
+            sa = prepare_server_args(argv)  # what `python -m sglang.launch_server` runs on its argv
             assert sa.tp_size == 4 and sa.quantization == "fp8" and sa.host == "0.0.0.0" and sa.admin_api_key == key
 
 
