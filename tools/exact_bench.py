@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron_jetrl.bench.timing import time_graph_ms, time_rotated_ms
 from megatron_jetrl.kernels.decode_attn import decode_attention, default_splits
-from megatron_jetrl.kernels.exact_attn import DECODE_KEYS_PLAN, exact_attention, key_major
+from megatron_jetrl.kernels.exact_attn import exact_attention, key_major, keys_plan_of
 from megatron_jetrl.kernels.exact_gemm import exact_block_gemm, exact_mm
 from megatron_jetrl.kernels.triton_gemm import small_m_linear
 from megatron_jetrl.precision.gemm import block_gemm
@@ -195,7 +195,7 @@ def main() -> None:
         nbytes = 2 * B * G * n * (D + 4)
         shape = f"{B}x{n} of {L} keys, {nl} layers"
         vkm = vk.transpose(-1, -2)  # [layers, B, G, La, d] views of [d, La] memory
-        decoder_kp = ":".join(map(str, DECODE_KEYS_PLAN))
+        decoder_kp = ":".join(map(str, keys_plan_of()))
         for name, fn in (
                 ("triton key-major, V [L, d]", lambda li: decode_attention(q[0], kc[li], vr[li], ok, pos, D ** -0.5, 1,
                                                                           128, 2, 4, ksc[li], vsc[li])),
@@ -208,7 +208,7 @@ def main() -> None:
                     q, kc[li], vkm[li], D ** -0.5, qpos, ksc[li], vsc[li]))):
             add("attn_decode_fp8kv_cache", shape, name, time_rotated_ms(fn, nl), None, nbytes)
         for kp in [tuple(map(int, p.split(":"))) for p in a.keys_plans.split(",")]:
-            if (*kp, 1)[:3] == DECODE_KEYS_PLAN:
+            if keys_plan_of(kp) == keys_plan_of():
                 continue  # timed above
             add("attn_decode_fp8kv_cache", shape, "exact key-major " + ":".join(map(str, kp)), time_rotated_ms(
                 lambda li: exact_attention(q, kc[li], vkm[li], D ** -0.5, qpos, ksc[li], vsc[li], keys_plan=kp), nl),

@@ -77,6 +77,15 @@ NUM_STAGES = 2
 DECODE_KEYS_PLAN = (2, 2, 2)
 
 
+def keys_plan_of(keys_plan: tuple[int, ...] | None = None) -> tuple[int, int, int]:
+    """(warps, stages, key blocks an iteration) of a key-major decode plan given as (warps, stages[, blocks]); None:
+    :data:`DECODE_KEYS_PLAN`. One block an iteration where the plan names none."""
+    warps, stages, per_iter = (*(keys_plan or DECODE_KEYS_PLAN), 1)[:3]
+    if per_iter not in (1, 2):
+        raise ValueError(f"exact_attention: keys_plan {keys_plan}: 1 or 2 key blocks an iteration")
+    return warps, stages, per_iter
+
+
 @triton.jit
 def _head_block(q, qpos, k_row, v_row, ks_row, vs_row, j, L, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -339,9 +348,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     # 64 sequences x 32K tokens); the values are the same either way
     wide = L * max(k.stride(2), k.stride(3), v.stride(2), v.stride(3)) >= 2 ** 31
     if S == 1 and fp8 and v.stride(2) == 1 and plan is None:  # a decode step over the FP8 cache: key-major
-        warps, stages, per_iter = (*(keys_plan or DECODE_KEYS_PLAN), 1)[:3]
-        if per_iter not in (1, 2):
-            raise ValueError(f"exact_attention: keys_plan {keys_plan}: 1 or 2 key blocks an iteration")
+        warps, stages, per_iter = keys_plan_of(keys_plan)
         xq, qargs = output_quant(quant, b, H, D, scale_col_major, o[0])
         _exact_decode_keys_kernel[(b, G)](
             q, k, v, k_scale, v_scale, o, q0, L, float(scale) * math.log2(math.e), q.stride(1), q.stride(2),
