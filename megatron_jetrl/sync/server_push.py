@@ -69,10 +69,12 @@ class DistributedBroadcastPush:
             offsets.append(offsets[-1] + s.tp)
         world, port = offsets[-1], free_port()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        local = all("127.0.0.1" in s.client.url for s in servers)
+        # where each server reaches this process's store; all loopback: the store listens on loopback only
+        addresses = [address_toward(urlsplit(s.client.url).hostname) for s in servers]
+        local = all(a == "127.0.0.1" for a in addresses)
         with ThreadPoolExecutor(len(servers)) as ex:
-            futs = [ex.submit(s.client.init_weights_update_group, address_toward(urlsplit(s.client.url).hostname),
-                              port, offset, world, self.group_name, backend) for s, offset in zip(servers, offsets)]
+            futs = [ex.submit(s.client.init_weights_update_group, a, port, offset, world, self.group_name, backend)
+                    for s, a, offset in zip(servers, addresses, offsets)]
             self.group = init_custom_group(backend, "127.0.0.1" if local else "0.0.0.0", port, 0, world, self.group_name)
             for f in futs:
                 f.result()
