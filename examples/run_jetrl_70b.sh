@@ -8,7 +8,8 @@
 #     env HF=/models/Llama-3.1-70B-Instruct DATA=/data/deepmath.jsonl bash examples/run_jetrl_70b.sh
 #   bash examples/run_jetrl_70b.sh --dry-run --nodes 4     # anywhere: the plan, memory and commands
 #
-# A job that stopped continues with the same srun line plus --resume (--overwrite starts it over).
+# A job that stopped continues with the same srun line plus --resume (--overwrite starts it over);
+# examples/slurm_jetrl_70b.sbatch runs it in time-limited jobs that save before the limit and resume.
 #
 # Nodes, node rank and host names come from Slurm's environment (or --nodes/--hosts/--node-rank).
 # The run directory must be on a filesystem all nodes share (the servers load the trainer's

@@ -123,6 +123,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def rank0_decides(flag: bool) -> bool:
+    """Global rank 0's ``flag`` on every rank (a one-element broadcast; ``flag`` itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(flag)], device=dev)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

@@ -25,7 +25,7 @@ from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
 from megatron_jetrl.trainer.checkpoint import check_model_matches, load_checkpoint
-from megatron_jetrl.trainer.run_dir import check_run_dir, clear_run
+from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request
 
 log = logging.getLogger("jetrl")
 
@@ -58,6 +58,8 @@ def setup(cfg: JetConfig) -> Run:
     if cfg.checkpoint.load_path and not resume_path:
         check_model_matches(cfg.checkpoint.load_path, cfg.model)
     init_distributed(cfg.parallel, cfg.seed)
+    if is_rank0() and clear_stop_request(cfg.logging.run_dir):  # a request made from here on is this run's
+        log.warning("removed %s from %s: a request from before this run", STOP_FILE, cfg.logging.run_dir)
     if resume_path and dist.is_initialized() and dist.get_world_size() > 1:
         box = [resume_path]
         dist.broadcast_object_list(box, src=0)

@@ -15,12 +15,13 @@ import torch
 
 from megatron_jetrl.config import JetConfig
 from megatron_jetrl.data.prompts import Sample
-from megatron_jetrl.distributed import dp_rank_size, is_logging_rank, reduce_over_dp
+from megatron_jetrl.distributed import dp_rank_size, is_logging_rank, is_rank0, rank0_decides, reduce_over_dp
 from megatron_jetrl.errors import TrainingError
 from megatron_jetrl.run import Run, close, setup
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.actor import build_batch
-from megatron_jetrl.trainer.checkpoint import newest_intact_checkpoint, save_checkpoint
+from megatron_jetrl.trainer.checkpoint import latest_checkpoint, newest_intact_checkpoint, save_checkpoint
+from megatron_jetrl.trainer.run_dir import STOP_FILE, clear_stop_request, stop_requested
 
 __all__ = ["Run", "close", "evaluate", "rl_step", "setup", "sft_step", "train"]
 
@@ -186,9 +187,16 @@ def _loop(run: Run) -> None:
         bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "sft_loss", "mismatch_abs_mean")
                          if k in metrics})
         last = step == total - 1
-        due = last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
+        stop = not last and rank0_decides(is_rank0() and stop_requested(cfg.logging.run_dir))
+        due = last or stop or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
         if due and run.actor.skipped_in_a_row == 0:  # after a skipped update the newest checkpoint already holds it
             run.actor.reload()  # a colocated hand-over leaves the optimizer state on the host
             save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
+        if stop:
+            if is_rank0():
+                clear_stop_request(cfg.logging.run_dir)
+                log.info("step %d: stopped on %s; newest checkpoint %s; continue with --resume", step,
+                         STOP_FILE, latest_checkpoint(run.ckpt_dir) or "none")
+            return
 
 

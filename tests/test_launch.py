@@ -474,3 +474,38 @@ print("ok", dist.get_world_size(), t.tolist())
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok 1 [1.0, 1.0, 1.0]"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_slurm_batch_script_asks_the_run_to_save_and_stop_before_the_time_limit(tmp_path, resumed):
+    """examples/slurm_jetrl_70b.sbatch under a stand-in ``srun`` that dry-runs its command on 4 nodes and then runs
+    until the run directory holds the stop request: Slurm's pre-timeout USR1 to the script creates the request, the
+    script waits for its job step and exits with the step's code; a run with a checkpoint is resumed."""
+    import signal
+    import time
+
+    run, stub = tmp_path / "run", tmp_path / "bin"
+    stub.mkdir()
+    (stub / "srun").write_text('#!/usr/bin/env bash\n"$@" --dry-run --nodes 4 > "$RUN.plan" 2>&1; echo $? > "$RUN.rc"\n'
+                               'for _ in $(seq 600); do [ -e "$RUN/save_and_stop" ] && exit 3; sleep 0.1; done\n'
+                               'exit 9\n')
+    (stub / "srun").chmod(0o755)
+    if resumed:
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "latest").write_text("step_9\n")
+    env = dict(os.environ, PYTHONPATH=REPO, RUN=str(run), SLURM_SUBMIT_DIR=REPO,
+               PATH=f"{stub}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    env.pop("JETRL_ADMIN_API_KEY", None)
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "examples", "slurm_jetrl_70b.sbatch")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(f"{run}.rc"):
+        time.sleep(0.1)
+    assert not (run / "save_and_stop").exists()
+    proc.send_signal(signal.SIGUSR1)  # sbatch --signal=B:USR1@900
+    assert proc.wait(timeout=60) == 3, proc.stdout.read()  # the job step's code, after it ended
+    assert (run / "save_and_stop").exists()
+    plan = open(f"{run}.plan").read()
+    assert open(f"{run}.rc").read().strip() == "0", plan
+    assert ("hf-to-megatron" in plan) != resumed  # a resumed run converts nothing
+    assert "node 3" in plan and "admin key" not in plan.lower()  # one admin key for the 4 nodes was found

@@ -239,6 +239,30 @@ def test_killed_run_resumes_without_losing_steps(tmp_path):
 
 
 @pytest.mark.slow
+def test_run_saves_and_stops_on_request_then_resumes(tmp_path):
+    stop = tmp_path / "save_and_stop"
+    tmp_path.mkdir(exist_ok=True)
+    stop.touch()  # a request left from before the run: removed at its start, not acted on
+    proc = _train(tmp_path, "steps=40", wait=False)
+    metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and len(_rows(tmp_path)) >= 4):
+        time.sleep(0.2)
+    assert proc.poll() is None and not stop.exists(), "the run stopped on a request from before it"
+    stop.touch()  # as a batch script does on the scheduler's pre-timeout signal
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the run went on past the request to stop")
+    assert rc == 0, proc.stderr.read()[-3000:]
+    stopped = max(r["step"] for r in _rows(tmp_path))
+    assert 4 <= stopped < 41 and not stop.exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"  # saved where it stopped
+    _train(tmp_path, f"steps={stopped}", "--resume")  # 2 SFT + `stopped` RL steps: one step more
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(stopped + 2))
+
+
+@pytest.mark.slow
 def test_data_parallel_loop_with_distributed_optimizer(tmp_path):
     from tests.dist import run_workers
     from tests.workers import dp_train_worker

@@ -1,5 +1,5 @@
 """The run directory: what it holds of a run, whether a run may start in it (fresh, or resuming the run it holds),
-and clearing it when the user asks (``checkpoint.overwrite``)."""
+clearing it when the user asks (``checkpoint.overwrite``), and the request to save and stop (``STOP_FILE``)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,9 @@ from megatron_jetrl.trainer.checkpoint import checkpoints, newest_intact_checkpo
 
 # What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
+# Created in the run directory (by hand, or by a batch script on the scheduler's pre-timeout signal: docs/cluster.md),
+# it asks the run to save a checkpoint after its current step and end; the run removes it when it does.
+STOP_FILE = "save_and_stop"
 # The settings a resumed run must share with the run it continues.
 SAME_RUN_KEYS = ("model", "seed", "precision.mode", "precision.scale_fmt", "data.path", "data.reward")
 
@@ -67,3 +70,18 @@ def clear_run(run_dir: str) -> None:
             shutil.rmtree(p)
         elif os.path.exists(p):
             os.remove(p)
+
+
+def stop_requested(run_dir: str) -> bool:
+    """Whether ``run_dir/STOP_FILE`` exists (read by one rank; ``distributed.rank0_decides`` shares the answer)."""
+    return os.path.exists(os.path.join(run_dir, STOP_FILE))
+
+
+def clear_stop_request(run_dir: str) -> bool:
+    """Remove ``run_dir/STOP_FILE``; True if there was one. At a run's start it is a request left from before the run
+    (one the previous run ended without acting on), after the stop the request it acted on."""
+    try:
+        os.remove(os.path.join(run_dir, STOP_FILE))
+        return True
+    except FileNotFoundError:
+        return False
