@@ -344,7 +344,10 @@ class RolloutConfig:
     through it (its load balancing, retries, circuit breaker); weight updates go to every server."""
     admin_api_key: Optional[str] = None
     """Key for the servers' weight/memory endpoints (``--admin-api-key``); needed off loopback. None: the
-    environment's ``JETRL_ADMIN_API_KEY`` (how ``jetrl launch`` hands the fleet's key to the trainer), else none."""
+    environment's ``JETRL_ADMIN_API_KEY`` (how ``jetrl launch`` hands the fleet's key to the trainer), else none.
+    Servers a trainer starts get it off their command lines: SGLang's from ``RUN_DIR/admin/sglang_servers.yaml``
+    (mode 0600, through its ``--config``), ``jetrl serve``'s as ``JETRL_ADMIN_API_KEY``. Prefer the environment
+    variable: the run directory's ``config.yaml`` holds what this field holds."""
     decode: Literal["static", "megatron"] = "static"
     """In-process decoding: ``static`` (our static-shape KV cache over the model's own modules, CUDA
     graphs on GPU: ``rollout/decode.py``) or ``megatron`` (megatron-core's ``StaticInferenceContext``,

@@ -223,15 +223,16 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
     from megatron_jetrl.config import load_config
     from megatron_jetrl.models.hf_io import HFCheckpoint
     from megatron_jetrl.precision.recipe import FP8Recipe
-    from megatron_jetrl.rollout.sglang import RolloutFleet
+    from megatron_jetrl.rollout.sglang import RolloutFleet, SGLangClient, ServerError
 
     if router:
         pytest.importorskip("sglang_router", reason="sglang-router is not installed (tools/setup_env.sh installs it)")
     cfg = load_config(None, ["rollout.engine=serve", "rollout.num_servers=2", "rollout.chunk_size=1",
                              "rollout.weight_transport=tensor", "precision.params_dtype=fp32",
-                             f"rollout.router={str(router).lower()}",
+                             f"rollout.router={str(router).lower()}", "rollout.admin_api_key=fl33t-k3y",
                              "scheduler.mode=disaggregated", f"logging.run_dir={tmp_path}"])
     fleet = RolloutFleet(cfg, FP8Recipe(mode="jet"), str(tmp_path), fp8_dir, colocated=False)
+    assert not any("fl33t-k3y" in " ".join(s.cmd) for s in fleet.servers)  # the key reaches them in their environment
     taken = None
     if router:  # another process binds the router's port before the router does: it starts on another one
         import socket
@@ -263,6 +264,8 @@ def test_fleet_survives_a_killed_server(router, fp8_dir, tmp_path):
             assert {g.meta["server"] for g in gens} == {fleet.servers[0].client.url}
 
         assert fleet.heal() == 1 and victim.up and victim.restarts == 1
+        with pytest.raises(ServerError, match="401"):  # the restarted worker guards its admin endpoints with the key
+            SGLangClient(victim.client.url, 30).request("/slow_down", {"forward_sleep_time": None})
         ckpt = HFCheckpoint(fp8_dir)
         m = fleet.push_weights(1, ((n, ckpt.raw(n)) for n in ckpt.keys()))
         assert m["parity_checked"] == 2 * _sglang_linears(ckpt.keys())  # SGLang's fused params, per server
@@ -605,37 +608,35 @@ def test_generate_response_parser_matches_sglang_shapes():
         parse_generate_response([], [[1], [2]])
 
 
-def test_sglang_launch_args_parse_with_real_server_args(fp8_dir):
-    """Our launch arguments, parsed by SGLang's own argument parser into its ServerArgs."""
-    import argparse
+def test_sglang_launch_args_parse_with_real_server_args(fp8_dir, tmp_path):
+    """Our launch arguments, parsed by SGLang's own ``prepare_server_args`` into its ServerArgs; the admin key of the
+    servers a trainer starts reaches them through a file, not their command line."""
+    from sglang.srt.server_args import prepare_server_args
 
-    try:
-        from sglang.srt.server_args import ServerArgs
-    except ImportError as e:
-        pytest.skip(f"SGLang's server_args does not import here ({e}); tools/setup_env.sh installs its pure-Python deps")
     from megatron_jetrl.config import load_config
     from megatron_jetrl.precision.recipe import FP8Recipe
-    from megatron_jetrl.rollout.sglang import sglang_server_argv
+    from megatron_jetrl.rollout.sglang import RolloutFleet, sglang_server_argv
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.server_tp=2", "model.num_key_value_heads=4",
-                             "rollout.mem_fraction=0.6",
+                             "rollout.mem_fraction=0.6", "rollout.num_servers=2",
                              "rollout.deterministic=true", "rollout.admin_api_key=s3cret", "seed=7",
                              "rollout.decode_rows=96"])
     for mode, colocated in (("jet", True), ("bf16", False)):
-        argv = sglang_server_argv(cfg, FP8Recipe(mode=mode), fp8_dir, 31234, base_gpu_id=4, colocated=colocated)
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        args = parser.parse_args(argv)
-        sa = ServerArgs.from_cli_args(args) if not hasattr(ServerArgs, "from_cli") else ServerArgs.from_cli_args(args)
+        # the servers a trainer starts: the key from the run directory's 0600 file through SGLang's own --config
+        fleet = RolloutFleet(cfg, FP8Recipe(mode=mode), str(tmp_path), fp8_dir, colocated=colocated, trainer_gpus=4)
+        assert [s.cmd[s.cmd.index("--base-gpu-id") + 1] for s in fleet.servers] == (["0", "2"] if colocated else ["4", "6"])
+        argv = sglang_server_argv(cfg, FP8Recipe(mode=mode), fp8_dir, 31234, base_gpu_id=4, colocated=colocated,
+                                  key_file=fleet.servers[0].cmd[-1])
+        assert "s3cret" not in " ".join(fleet.servers[0].cmd) and fleet.servers[0].cmd[-2:] == argv[-2:]
+        assert os.stat(argv[-1]).st_mode & 0o777 == 0o600
+        sa = prepare_server_args(argv)  # what sglang.launch_server runs on its argv
         assert (sa.model_path, sa.port, sa.tp_size, sa.mem_fraction_static, sa.base_gpu_id) == (fp8_dir, 31234, 2, 0.6, 4)
         assert sa.quantization == ("fp8" if mode == "jet" else None) and sa.dtype == "bfloat16"
         assert sa.enable_memory_saver is colocated and sa.enable_deterministic_inference is True
         assert sa.skip_tokenizer_init and sa.random_seed == 7 and sa.admin_api_key == "s3cret"
         assert sa.host == "127.0.0.1" and sa.weight_version == "0" and sa.max_running_requests == 96
     cfg.rollout.decode_rows = 0  # as many as fit: SGLang's own default
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(sglang_server_argv(cfg, FP8Recipe(mode="jet"), fp8_dir, 31234)).max_running_requests is None
+    assert prepare_server_args(sglang_server_argv(cfg, FP8Recipe(mode="jet"), fp8_dir, 31234)).max_running_requests is None
     # the launch directory's config.json carries the recipe's block quantization_config
     with open(os.path.join(fp8_dir, "config.json")) as f:
         assert json.load(f)["quantization_config"] == FP8Recipe(mode="jet").hf_quantization_config()

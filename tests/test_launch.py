@@ -96,7 +96,8 @@ def test_generated_commands_parse(tmp_path):
     from sglang.srt.server_args import prepare_server_args
     from torch.distributed.run import get_args_parser
 
-    from megatron_jetrl.launch import admin_key_file, write_admin_key_file
+    from megatron_jetrl.launch import admin_key_file
+    from megatron_jetrl.rollout.sglang import write_admin_key_file
 
     from megatron_jetrl.cli import main as cli_main  # noqa: F401 - the parser the train command meets
 

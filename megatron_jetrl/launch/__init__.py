@@ -226,18 +226,6 @@ def admin_key_file(run_dir: str, node: int) -> str:
     return os.path.join(run_dir, "admin", f"sglang_node{node}.yaml")
 
 
-def write_admin_key_file(path: str, key: str) -> None:
-    """``path`` holding ``key`` for SGLang's ``--config``, readable by this user only (YAML-quoted where the key
-    would otherwise parse as a number)."""
-    import yaml
-
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a file left by an earlier launch keeps its mode otherwise
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump({"admin-api-key": key}, f)  # the flag's spelling: SGLang passes keys on as --KEY
-
-
 def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ckpt_dir: str | None,
              python: str = "python") -> dict[int, list[list[str]]]:
     """Per node, in order. Servers (background) wait for the trainer's initial weights
@@ -261,9 +249,9 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
             argv = [*serve_argv(cfg, model_dir, port, i), "--host", "0.0.0.0"]
             launch = shlex.join([*env, f"CUDA_VISIBLE_DEVICES={gpus[0]}", python, "-m", "megatron_jetrl.cli", "serve", *argv])
         else:
-            argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated")
+            argv = sglang_server_argv(cfg, recipe, model_dir, port, base_gpu_id=gpus[0], colocated=plan.mode == "colocated",
+                                      key_file=admin_key_file(cfg.logging.run_dir, node))
             argv[argv.index("--host") + 1] = "0.0.0.0"
-            argv += ["--config", admin_key_file(cfg.logging.run_dir, node)]
             launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
         # the weights this launch's trainer writes: newer than this launch's config (a launch again in the run
         # directory finds the earlier launch's, which its trainer is about to replace)
@@ -384,7 +372,7 @@ def load_launch_config(path: str | None, overrides: list[str], hf_checkpoint: st
 
 def main(argv=None) -> int:
     from megatron_jetrl.config import ConfigError, save_config
-    from megatron_jetrl.rollout.sglang import server_env
+    from megatron_jetrl.rollout.sglang import server_env, write_admin_key_file
 
     ap = argparse.ArgumentParser(prog="jetrl launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", help="preset in examples/configs")
@@ -476,7 +464,6 @@ def main(argv=None) -> int:
     mine = cmds[cluster.node_rank]
     if resolved.rollout.engine == "sglang" and any(c[0] == "bash" for c in mine):
         write_admin_key_file(admin_key_file(run_dir, cluster.node_rank), admin_key)
-    keyed = {ADMIN_API_KEY: admin_key}
     done_path = os.path.join(run_dir, DONE_FILE)
     procs, logs, rc = [], [], 0
     try:
@@ -485,9 +472,9 @@ def main(argv=None) -> int:
                 logs.append(os.path.join(run_dir, f"sglang_node{cluster.node_rank}_{len(procs)}.log"))
                 with open(logs[-1], "ab") as log:
                     procs.append(subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT,
-                                                  env={**server_env(), **keyed}, start_new_session=True))
+                                                  env=server_env(admin_key), start_new_session=True))
             else:
-                rc = run_beside_servers(c, procs, logs, env={**snapshot(), **keyed})
+                rc = run_beside_servers(c, procs, logs, env={**snapshot(), ADMIN_API_KEY: admin_key})
                 if rc:
                     break
         if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until the training ends

@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron_jetrl.env import admin_api_key, snapshot
+from megatron_jetrl.env import ADMIN_API_KEY, admin_api_key, snapshot
 from megatron_jetrl.distributed import free_port, free_ports
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
@@ -70,8 +70,10 @@ class ServerError(RuntimeError):
 # Launch arguments
 
 
-def sglang_server_argv(cfg, recipe, model_dir: str, port: int, base_gpu_id: int = 0, colocated: bool = True) -> list[str]:
-    """``python -m sglang.launch_server`` arguments for one server of this run."""
+def sglang_server_argv(cfg, recipe, model_dir: str, port: int, base_gpu_id: int = 0, colocated: bool = True,
+                       key_file: Optional[str] = None) -> list[str]:
+    """``python -m sglang.launch_server`` arguments for one server of this run; its admin key, if any, from
+    ``key_file`` (:func:`write_admin_key_file`) through SGLang's ``--config``, not on its command line."""
     sg = recipe.sglang_args()
     argv = ["--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--tp-size", str(cfg.rollout.server_tp), "--mem-fraction-static", str(cfg.rollout.mem_fraction),
@@ -85,9 +87,22 @@ def sglang_server_argv(cfg, recipe, model_dir: str, port: int, base_gpu_id: int 
         argv.append("--enable-deterministic-inference")
     if cfg.rollout.decode_rows:  # rows decoded at once: SGLang's running-request bound
         argv += ["--max-running-requests", str(cfg.rollout.decode_rows)]
-    if cfg.rollout.admin_api_key:
-        argv += ["--admin-api-key", cfg.rollout.admin_api_key]
+    if key_file:
+        argv += ["--config", key_file]
     return argv
+
+
+def write_admin_key_file(path: str, key: str) -> None:
+    """``path`` holding ``key`` for SGLang's ``--config`` (``admin-api-key: KEY``), readable by this user only
+    (YAML-quoted where the key would otherwise parse as a number): the key stays off the server's command line
+    (``ps``) and out of printed commands."""
+    import yaml
+
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump({"admin-api-key": key}, f)  # the flag's spelling: SGLang passes keys on as --KEY
 
 
 def router_argv(cfg, worker_urls: list[str], port: int) -> list[str]:
@@ -109,9 +124,7 @@ def serve_argv(cfg, model_dir: str, port: int, index: int) -> list[str]:
         argv.append("--exact")
     if cfg.rollout.decode_rows:
         argv += ["--max-running-requests", str(cfg.rollout.decode_rows)]
-    if cfg.rollout.admin_api_key:
-        argv += ["--admin-api-key", cfg.rollout.admin_api_key]
-    return argv
+    return argv  # the admin key: JETRL_ADMIN_API_KEY in the worker's environment (server_env)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,15 +316,18 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def server_env() -> dict:
+def server_env(admin_key: Optional[str] = None) -> dict:
     """The environment a rollout server is started with (by a trainer rank or by ``jetrl launch``): this
     process's, without the torch launcher's rank/rendezvous variables (``_LAUNCHER_VARS``,
-    ``TORCHELASTIC_*``), unbuffered output."""
+    ``TORCHELASTIC_*``), unbuffered output, and ``admin_key`` as ``JETRL_ADMIN_API_KEY`` (``jetrl serve``'s
+    default key) where given."""
     env = snapshot()
     for k in list(env):
         if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_"):
             del env[k]
     env["PYTHONUNBUFFERED"] = "1"
+    if admin_key:
+        env[ADMIN_API_KEY] = admin_key
     return env
 
 
@@ -333,7 +349,8 @@ class Server:
         SIGTERM when this process dies, however it dies (Linux ``PR_SET_PDEATHSIG``)."""
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log_file = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=server_env(),
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env=server_env(self.client.admin_api_key),
                                      start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -418,12 +435,16 @@ class RolloutFleet:
             self.servers = [Server(SGLangClient(a, r.request_timeout_s, key), tp=r.server_tp)
                             for a in r.server_addresses]
         else:
+            key_file = os.path.join(run_dir, "admin", "sglang_servers.yaml") if key and r.engine == "sglang" else None
+            if key_file:
+                write_admin_key_file(key_file, key)
             for i in range(r.num_servers):
                 port = base + i
                 if r.engine == "sglang":
                     cmd = [sys.executable, "-m", "sglang.launch_server",
                            *sglang_server_argv(cfg, recipe, model_dir, port,
-                                               (0 if colocated else trainer_gpus) + i * r.server_tp, colocated)]
+                                               (0 if colocated else trainer_gpus) + i * r.server_tp, colocated,
+                                               key_file)]
                 else:
                     cmd = [sys.executable, "-m", "megatron_jetrl.cli", "serve", *serve_argv(cfg, model_dir, port, i)]
                 self.servers.append(Server(SGLangClient(f"http://127.0.0.1:{port}", r.request_timeout_s, key),
