@@ -543,7 +543,9 @@ class EvalConfig:
     """Held-out evaluation (``data.val_path``, or the synthetic task's own held-out prompts)."""
 
     interval: int = 0
-    """Evaluate before the first RL step and every N RL steps after it (0 = never)."""
+    """Evaluate before the first RL step, every N RL steps after it, and after the last one (0 = never). Each
+    evaluation is logged with the step it precedes: the one after the last RL step in a row of its own, at the
+    step one past the last (its ``eval/*`` metrics only)."""
     greedy: bool = True
     """``eval/accuracy``: mean reward of one greedy response per prompt."""
     n_samples: int = 0

@@ -198,5 +198,9 @@ def _loop(run: Run) -> None:
                 log.info("step %d: stopped on %s; newest checkpoint %s; continue with --resume", step,
                          STOP_FILE, latest_checkpoint(run.ckpt_dir) or "none")
             return
+    if cfg.eval.interval and cfg.steps:  # the trained policy: a row of its own, one step past the last
+        held_out = reduce_over_dp(evaluate(run, cfg.steps))
+        if run.logger and held_out:
+            run.logger.log(total, held_out)
 
 

@@ -87,10 +87,11 @@ def test_train_with_chat_data_and_eval_over_a_fleet_then_jetrl_eval(chat_tok, tm
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the first prompt as the policy sees it: '<s><user>0+0=<|eot|><assistant>'" in out.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["is_rl"] == 1.0]
+    rl = [r for r in rows if r.get("is_rl") == 1.0]
     assert len(rl) == 2 and all(0 <= r["eval/accuracy"] <= 1 and 0 <= r["eval/pass@2"] <= 1 for r in rl)
     assert all("truncated_fraction" in r and r["parity_mismatch"] == 0 for r in rl)
-    assert not any("eval/accuracy" in r for r in rows if r["is_rl"] == 0.0)
+    assert not any("eval/accuracy" in r for r in rows if r.get("is_rl") == 0.0)
+    assert rows[-1]["step"] == 3 and "is_rl" not in rows[-1] and 0 <= rows[-1]["eval/pass@2"] <= 1  # after the last step
     # the jet evaluation from a config whose model has Llama-3.1's RoPE scaling: eval builds the checkpoint's model
     # (plain RoPE, its model_config.json's null), not the config's
     import yaml

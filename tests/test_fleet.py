@@ -344,7 +344,7 @@ def test_train_over_a_fleet(extra, tmp_path):
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _metrics(run_dir)
-    rl = [r for r in rows if r["is_rl"] == 1.0]
+    rl = [r for r in rows if r.get("is_rl") == 1.0]
     assert len(rl) == 3
     for r in rows[0:1] + rl:  # the push after the warm-up and after every RL step
         assert r["parity_checked"] > 0 and r["parity_mismatch"] == 0
@@ -429,8 +429,8 @@ def test_pipeline_parallel_trainer_over_a_fleet(asynchronous, tmp_path):
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _metrics(run_dir)
-    rl = [r for r in rows if r["is_rl"] == 1.0]
-    assert [r["is_rl"] for r in rows] == [0.0] + [1.0] * steps
+    rl = [r for r in rows if r.get("is_rl") == 1.0]
+    assert [r.get("is_rl") for r in rows] == [0.0] + [1.0] * steps
     for r in rl:
         assert r["parity_checked"] > 0 and r["parity_mismatch"] == 0 and r["fleet_servers_up"] == 1
     if asynchronous:
@@ -705,7 +705,7 @@ def test_train_with_sglang_engine_on_sglang_rules_servers(mode, transport, tiny_
                              env=ENV, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         rows = _metrics(tmp_path / "run")
-        assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0]
+        assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0]
         for r in rows:  # the push after the warm-up and after each RL step
             assert r["parity_checked"] == 2 * 2 * 4 and r["parity_mismatch"] == 0  # 2 servers x 2 layers x 4
         rl = rows[1:]

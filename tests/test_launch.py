@@ -423,7 +423,7 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     plan = json.loads(out.stdout[:out.stdout.index("\n# node 0")])
     assert plan["trainer"]["data_parallel"] == 2 and plan["rollout"]["servers"] == 2
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["is_rl"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rows)
     assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in rows[1:])
     assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()

@@ -236,7 +236,7 @@ def test_rl_recipe_knobs_in_a_run(tmp_path):
                          env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    rl = [r for r in rows if r["is_rl"] == 1.0]
+    rl = [r for r in rows if r.get("is_rl") == 1.0]
     assert all(r["optimizer_steps"] == 2.0 and r["sampling_rounds"] >= 1 for r in rl)
     assert any(r["ratio_mean"] != 1.0 for r in rl)  # the second part's ratio is new/old, no longer exactly 1
     lrs = [r["lr"] for r in rl]

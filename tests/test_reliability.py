@@ -119,7 +119,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(trained, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "skipping checkpoint" in out.stderr and "step_2" in out.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3]  # step 2 redone from step 1's checkpoint
+    assert steps == [0, 1, 2, 3, 4]  # step 2 redone from step 1's checkpoint, then the evaluation after the last
 
 
 # ----------------------------------------------------------------------------------------------- NaN

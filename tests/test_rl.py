@@ -212,8 +212,9 @@ def test_resume_continues_the_same_run(tmp_path):
     (ckpts / "latest").write_text("step_3\n")
     _train(tmp_path / "b", "steps=6", "checkpoint.save_interval=4", "--resume")
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
-    assert [r["step"] for r in b] == list(range(8))  # each step once, in order
-    rl = [r for r in b if r["is_rl"] == 1.0]
+    assert [r["step"] for r in b] == list(range(9))  # each step once, in order, then the trained policy's evaluation
+    assert set(b[-1]) == {"step", "eval/accuracy", "eval/response_length_mean"} and b[-1] == a[-1]
+    rl = [r for r in b if r.get("is_rl") == 1.0]
     assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rl)  # FP8 hand-over verified
     for ra, rb in zip(a, b):
         for key in ("reward_mean", "pg_loss", "sft_loss", "grad_norm"):
@@ -235,7 +236,7 @@ def test_killed_run_resumes_without_losing_steps(tmp_path):
     killed_at = max(r["step"] for r in _rows(tmp_path))
     _train(tmp_path, "steps=12", "checkpoint.save_interval=3", "--resume")
     steps = [r["step"] for r in _rows(tmp_path)]
-    assert steps == list(range(14)), (killed_at, steps)
+    assert steps == list(range(15)), (killed_at, steps)
 
 
 @pytest.mark.slow
@@ -256,10 +257,10 @@ def test_run_saves_and_stops_on_request_then_resumes(tmp_path):
         raise AssertionError("the run went on past the request to stop")
     assert rc == 0, proc.stderr.read()[-3000:]
     stopped = max(r["step"] for r in _rows(tmp_path))
-    assert 4 <= stopped < 41 and not stop.exists()
+    assert 4 <= stopped < 41 and not stop.exists() and "reward_mean" in _rows(tmp_path)[-1]  # no final evaluation
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"  # saved where it stopped
     _train(tmp_path, f"steps={stopped}", "--resume")  # 2 SFT + `stopped` RL steps: one step more
-    assert [r["step"] for r in _rows(tmp_path)] == list(range(stopped + 2))
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(stopped + 3))  # and the evaluation after the last
 
 
 @pytest.mark.slow
@@ -277,7 +278,7 @@ def test_data_parallel_loop_with_distributed_optimizer(tmp_path):
     assert all("Distributed" in name for name in r0["dist_opt"]), r0["dist_opt"]
     assert r0["stream"] == r1["stream"]  # one shared stream position (each rank took its own slice)
     rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(0 <= r.get("reward_mean", 0) <= 1 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and all(0 <= r.get("reward_mean", 0) <= 1 for r in rows)
 
 
 @pytest.mark.slow
@@ -285,7 +286,7 @@ def test_data_parallel_loop_with_distributed_optimizer(tmp_path):
 def test_other_precision_modes_train(mode, tmp_path):
     extra = ["algo.tis_cap=2.0"] if mode == "fp8_rollout" else []
     _train(tmp_path, "steps=3", f"precision.mode={mode}", *extra)
-    rl = [r for r in _rows(tmp_path) if r["is_rl"] == 1.0]
+    rl = [r for r in _rows(tmp_path) if r.get("is_rl") == 1.0]
     assert len(rl) == 3
     if mode == "fp8_rollout":  # BF16 trainer vs FP8 sampler: measurable mismatch, TIS weights applied
         assert all(r["mismatch_abs_mean"] > 1e-4 and "tis_weight_mean" in r for r in rl)
