@@ -187,14 +187,15 @@ def _loop(run: Run) -> None:
         bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "sft_loss", "mismatch_abs_mean")
                          if k in metrics})
         last = step == total - 1
-        stop = not last and rank0_decides(is_rank0() and stop_requested(cfg.logging.run_dir))
+        stop = rank0_decides(is_rank0() and stop_requested(cfg.logging.run_dir))  # after the last step: the end
         due = last or stop or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
         if due and run.actor.skipped_in_a_row == 0:  # after a skipped update the newest checkpoint already holds it
             run.actor.reload()  # a colocated hand-over leaves the optimizer state on the host
             save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
-        if stop:
+        if stop and is_rank0():
+            clear_stop_request(cfg.logging.run_dir)
+        if stop and not last:
             if is_rank0():
-                clear_stop_request(cfg.logging.run_dir)
                 log.info("step %d: stopped on %s; newest checkpoint %s; continue with --resume", step,
                          STOP_FILE, latest_checkpoint(run.ckpt_dir) or "none")
             return
