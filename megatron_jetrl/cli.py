@@ -29,10 +29,13 @@ def cmd_train(args) -> int:
     from megatron_jetrl.models.hf_io import CheckpointError
     from megatron_jetrl.rollout.sglang import ServerError
     from megatron_jetrl.train import train
-    from megatron_jetrl.errors import TrainingError
+    from megatron_jetrl.errors import RunComplete, TrainingError
 
     try:
         train(cfg)
+    except RunComplete as e:
+        print(str(e), file=sys.stderr)
+        return 0
     except (ConfigError, CheckpointError, DataError, TrainingError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2

@@ -7,3 +7,8 @@ class TrainingError(RuntimeError):
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line: field, problem, fix."""
+
+
+class RunComplete(Exception):
+    """A resumed run whose newest checkpoint is its last step: nothing is left to train (the CLI prints the
+    message and exits 0, so a chain of batch jobs ends quietly)."""

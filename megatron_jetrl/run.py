@@ -24,7 +24,8 @@ from megatron_jetrl.scheduler import Scheduler, make_scheduler
 from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
-from megatron_jetrl.trainer.checkpoint import check_model_matches, load_checkpoint
+from megatron_jetrl.errors import RunComplete
+from megatron_jetrl.trainer.checkpoint import check_model_matches, checkpoint_step, load_checkpoint
 from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request
 
 log = logging.getLogger("jetrl")
@@ -64,6 +65,10 @@ def setup(cfg: JetConfig) -> Run:
         box = [resume_path]
         dist.broadcast_object_list(box, src=0)
         resume_path = box[0]
+    loop_steps = cfg.algo.sft_warmup_steps + cfg.steps
+    if resume_path and checkpoint_step(resume_path) + 1 >= loop_steps:
+        raise RunComplete(f"jetrl train: the run in {cfg.logging.run_dir} is complete: {resume_path} holds its last "
+                          f"step ({loop_steps} steps: algo.sft_warmup_steps + steps); raise steps to train further")
     tok = load_tokenizer(cfg.model.tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the "

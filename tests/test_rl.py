@@ -221,6 +221,10 @@ def test_resume_continues_the_same_run(tmp_path):
             if key in ra:
                 assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     assert os.path.isdir(ckpts / "step_7") and not any(p.name.endswith(".tmp") for p in ckpts.iterdir())
+    before = (tmp_path / "b" / "metrics.jsonl").read_text()
+    out = _train(tmp_path / "b", "steps=6", "--resume")  # a finished run: nothing to train, and nothing written
+    assert "is complete" in out.stderr.strip().splitlines()[-1] and "raise steps" in out.stderr
+    assert (tmp_path / "b" / "metrics.jsonl").read_text() == before
 
 
 @pytest.mark.slow

@@ -234,6 +234,12 @@ def load_model_weights(path: str, actor) -> None:
     actor.module.load_state_dict(state["model"])
 
 
+def checkpoint_step(path: str) -> int:
+    """The RL loop's step a checkpoint was saved after (its ``loop_state.json``)."""
+    with open(os.path.join(path, "loop_state.json")) as f:
+        return int(json.load(f)["step"])
+
+
 def load_checkpoint(path: str, actor) -> dict:
     from megatron.core import dist_checkpointing
 
