@@ -133,6 +133,21 @@ def rank0_decides(flag: bool) -> bool:
     return bool(t.item())
 
 
+def rank_share() -> tuple[int, int]:
+    """(global rank, world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def first_of_ranks(value):
+    """The first non-None of every rank's ``value``, in rank order (the same on every rank); ``value`` itself
+    without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return next((v for v in every if v is not None), None)
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

@@ -12,7 +12,7 @@ from megatron_jetrl.config import ConfigError, JetConfig, save_config
 from megatron_jetrl.data.dataset import check_prompts, stop_token_ids, train_samples, val_samples
 from megatron_jetrl.data.prompts import PromptStream
 from megatron_jetrl.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
-from megatron_jetrl.distributed import dp_rank_size, is_logging_rank, is_rank0
+from megatron_jetrl.distributed import dp_rank_size, first_of_ranks, is_logging_rank, is_rank0, rank_share
 from megatron_jetrl.metrics.logger import MetricsLogger
 from megatron_jetrl.models.builder import DTYPES, apply_precision_settings, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -25,8 +25,9 @@ from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
 from megatron_jetrl.errors import RunComplete
-from megatron_jetrl.trainer.checkpoint import check_model_matches, checkpoint_step, load_checkpoint
-from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request
+from megatron_jetrl.trainer.checkpoint import (check_model_matches, checkpoint_step, load_checkpoint,
+                                               newest_intact_checkpoint)
+from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request, no_checkpoint
 
 log = logging.getLogger("jetrl")
 
@@ -61,10 +62,11 @@ def setup(cfg: JetConfig) -> Run:
     init_distributed(cfg.parallel, cfg.seed)
     if is_rank0() and clear_stop_request(cfg.logging.run_dir):  # a request made from here on is this run's
         log.warning("removed %s from %s: a request from before this run", STOP_FILE, cfg.logging.run_dir)
-    if resume_path and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [resume_path]
-        dist.broadcast_object_list(box, src=0)
-        resume_path = box[0]
+    if resume_path:  # the CRC-32s, read by every rank, a share each; all take the same checkpoint
+        resume_path = newest_intact_checkpoint(os.path.join(cfg.logging.run_dir, "checkpoints"), share=rank_share(),
+                                               agree=first_of_ranks)
+        if resume_path is None:
+            raise no_checkpoint(os.path.join(cfg.logging.run_dir, "checkpoints"))
     loop_steps = cfg.algo.sft_warmup_steps + cfg.steps
     if resume_path and checkpoint_step(resume_path) + 1 >= loop_steps:
         raise RunComplete(f"jetrl train: the run in {cfg.logging.run_dir} is complete: {resume_path} holds its last "

@@ -20,7 +20,7 @@ from megatron_jetrl.errors import TrainingError
 from megatron_jetrl.run import Run, close, setup
 from megatron_jetrl.trainer import loss as L
 from megatron_jetrl.trainer.actor import build_batch
-from megatron_jetrl.trainer.checkpoint import latest_checkpoint, newest_intact_checkpoint, save_checkpoint
+from megatron_jetrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
 from megatron_jetrl.trainer.run_dir import STOP_FILE, clear_stop_request, stop_requested
 
 __all__ = ["Run", "close", "evaluate", "rl_step", "setup", "sft_step", "train"]
@@ -183,7 +183,7 @@ def _loop(run: Run) -> None:
         if run.actor.skipped_in_a_row >= cfg.algo.max_skipped_steps:
             raise TrainingError(f"step {step}: {run.actor.skipped_in_a_row} updates in a row skipped for non-finite "
                                 f"loss or gradients (algo.max_skipped_steps); lower algo.lr, the newest checkpoint "
-                                f"stays {newest_intact_checkpoint(run.ckpt_dir) or 'none'}")
+                                f"stays {latest_checkpoint(run.ckpt_dir) or 'none'}")
         bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "sft_loss", "mismatch_abs_mean")
                          if k in metrics})
         last = step == total - 1

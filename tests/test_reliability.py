@@ -148,6 +148,29 @@ def test_non_finite_gradients_skip_the_update(tmp_path, megatron_single):
         close(run)
 
 
+def test_resume_checks_the_checksums_with_every_rank(tmp_path):
+    """Each rank of a resumed job reads a share of the checkpoint's files for their CRC-32s (one rank reading a 70B
+    checkpoint alone outlasts the process group's start-up timeout); a change only another rank's share holds still
+    makes every rank fall back to the same older checkpoint."""
+    from megatron_jetrl.trainer.checkpoint import CHECKSUMS_FILE, checkpoint_problem, file_checksums
+    from tests.dist import run_workers
+    from tests.workers import newest_intact_worker
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        d = root / f"step_{step}"
+        d.mkdir(parents=True)
+        for name in ("a.distcp", "b.distcp", "c.distcp", "loop_state.json"):
+            (d / name).write_bytes(bytes([step]) * 64)
+        (d / CHECKSUMS_FILE).write_text(json.dumps(file_checksums(str(d))))
+    (root / "latest").write_text("step_2\n")
+    victim = root / "step_2" / "b.distcp"  # the second file in order: the second of two ranks' share
+    victim.write_bytes(b"\x00" + victim.read_bytes()[1:])  # same size, another CRC-32
+    assert checkpoint_problem(str(root / "step_2"), share=(0, 2)) is None
+    assert "b.distcp changed" in checkpoint_problem(str(root / "step_2"), share=(1, 2))
+    assert run_workers(newest_intact_worker, 2, str(root)) == [str(root / "step_1")] * 2
+
+
 def test_diverging_run_stops_and_keeps_a_finite_latest_checkpoint(tmp_path):
     run = tmp_path / "run"
     out = _train(run, "steps=6", "algo.lr=1e30", "algo.grad_clip=0", "algo.sft_lr=0.001", "checkpoint.save_interval=1")

@@ -208,3 +208,18 @@ def fused_logp_tp_worker(rank, world, logits, labels, temperature):
     (logp.sum() + 0.3 * ent.sum()).backward()
     destroy_distributed()
     return logp.detach(), ent.detach(), x.grad
+
+
+def newest_intact_worker(rank, world, ckpt_root):
+    """``newest_intact_checkpoint`` as a resumed job's ranks run it: each checks its share of the CRC-32s and all
+    take the first problem any rank found."""
+    import torch.distributed as dist
+
+    from megatron_jetrl.distributed import first_of_ranks, rank_share
+    from megatron_jetrl.trainer.checkpoint import newest_intact_checkpoint
+
+    dist.init_process_group("gloo")
+    try:
+        return newest_intact_checkpoint(ckpt_root, share=rank_share(), agree=first_of_ranks)
+    finally:
+        dist.destroy_process_group()

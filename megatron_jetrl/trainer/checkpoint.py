@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -50,9 +51,10 @@ def _own_shard(rel: str, rank: int) -> bool:
     return re.fullmatch(rf"__{rank}_\d+\.distcp", rel) is not None
 
 
-def checkpoint_problem(path: str, crc: bool = True) -> str | None:
+def checkpoint_problem(path: str, crc: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why the checkpoint at ``path`` cannot be resumed from (missing, truncated or, with ``crc``, changed files),
-    or None."""
+    or None. ``share = (r, n)``: the CRC-32s of the r-th of n interleaved shares of its files only (every size is
+    checked), so n ranks read a checkpoint once between them."""
     sums = os.path.join(path, CHECKSUMS_FILE)
     if not os.path.isfile(sums):
         return f"no {CHECKSUMS_FILE} (unfinished)"
@@ -61,13 +63,13 @@ def checkpoint_problem(path: str, crc: bool = True) -> str | None:
             want = json.load(f)
     except (OSError, ValueError) as e:
         return f"{CHECKSUMS_FILE} unreadable ({type(e).__name__})"
-    for rel, (size, want_crc) in sorted(want.items()):
+    for i, (rel, (size, want_crc)) in enumerate(sorted(want.items())):
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
             return f"{rel} missing"
         if os.path.getsize(p) != size:
             return f"{rel} is {os.path.getsize(p)} bytes, {size} were written"
-        if crc and _crc32(p) != want_crc:
+        if crc and i % share[1] == share[0] and _crc32(p) != want_crc:
             return f"{rel} changed since it was written (CRC-32)"
     return None
 
@@ -200,10 +202,12 @@ def checkpoints(ckpt_root: str) -> list[str]:
     return [os.path.join(ckpt_root, d) for _, d in sorted(steps, reverse=True)]
 
 
-def newest_intact_checkpoint(ckpt_root: str, crc: bool = True) -> str | None:
+def newest_intact_checkpoint(ckpt_root: str, crc: bool = True, share: tuple[int, int] = (0, 1),
+                             agree: Callable[[str | None], str | None] = lambda why: why) -> str | None:
     """The newest checkpoint, from the one ``latest`` names down, whose files match their checksums (sizes only
-    without ``crc``: the other ranks of a job, which take rank 0's choice); each newer one skipped is named in a
-    one-line warning."""
+    without ``crc``). In a job each rank checks its ``share`` of the CRC-32s and ``agree`` turns the ranks'
+    answers into one (``distributed.first_of_ranks``), so every rank picks the same checkpoint; each newer one
+    skipped is named in a one-line warning (by the share's first rank)."""
     found = checkpoints(ckpt_root)
     marker = os.path.join(ckpt_root, "latest")
     try:
@@ -213,10 +217,11 @@ def newest_intact_checkpoint(ckpt_root: str, crc: bool = True) -> str | None:
     except OSError:
         pass
     for path in found:
-        why = checkpoint_problem(path, crc)
+        why = agree(checkpoint_problem(path, crc, share))
         if why is None:
             return path
-        log.warning("skipping checkpoint %s: %s", path, why)
+        if share[0] == 0:
+            log.warning("skipping checkpoint %s: %s", path, why)
     return None
 
 

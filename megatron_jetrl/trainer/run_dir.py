@@ -6,7 +6,6 @@ import os
 import shutil
 
 from megatron_jetrl.config import ConfigError, JetConfig
-from megatron_jetrl.env import launcher_rank
 from megatron_jetrl.trainer.checkpoint import checkpoints, newest_intact_checkpoint
 
 # What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
@@ -26,8 +25,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def check_run_dir(cfg: JetConfig) -> str | None:
-    """Before anything is written: the checkpoint to resume from (None for a fresh run). ``--resume`` needs an
-    intact checkpoint of a run with the same model, seed and precision; a fresh run needs a run directory
+    """Before anything is written: the checkpoint to resume from (None for a fresh run). ``--resume`` needs a
+    complete checkpoint (every file there at its size; ``run.setup`` then checks the CRC-32s with all ranks and may
+    fall back to an older one) of a run with the same model, seed and precision; a fresh run needs a run directory
     without another run's checkpoints or metrics (or ``checkpoint.overwrite``). One-line ``ConfigError``s."""
     import yaml
 
@@ -35,11 +35,10 @@ def check_run_dir(cfg: JetConfig) -> str | None:
 
     run_dir = cfg.logging.run_dir
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if cfg.checkpoint.resume:  # every file read once, by rank 0 (the others check sizes, then take its choice)
-        path = newest_intact_checkpoint(ckpt_dir, crc=launcher_rank() == 0)
+    if cfg.checkpoint.resume:
+        path = newest_intact_checkpoint(ckpt_dir, crc=False)
         if path is None:
-            raise ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
-                              "--resume, or give the run directory that holds the run")
+            raise no_checkpoint(ckpt_dir)
         saved = os.path.join(run_dir, "config.yaml")
         if os.path.isfile(saved):
             with open(saved) as f:
@@ -60,6 +59,11 @@ def check_run_dir(cfg: JetConfig) -> str | None:
                           f"{', ...' if len(held) > 3 else ''}); resume it with --resume, use another --run-dir, "
                           "or pass --overwrite to delete it")
     return None
+
+
+def no_checkpoint(ckpt_dir: str) -> ConfigError:
+    return ConfigError(f"config error: checkpoint.resume: no intact checkpoint in {ckpt_dir}; start without "
+                       "--resume, or give the run directory that holds the run")
 
 
 def clear_run(run_dir: str) -> None:
