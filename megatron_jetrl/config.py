@@ -566,6 +566,9 @@ class CheckpointConfig:
 
     save_interval: int = 0
     """Save every N RL steps (0 = only at the end)."""
+    keep_last: int = 0
+    """Keep the newest N checkpoints of the run: once a save is complete, older ``checkpoints/step_*`` directories
+    are deleted (0 = keep every one). A 70B checkpoint with its Adam state is about a terabyte."""
     resume: bool = False
     """Resume from the newest intact checkpoint in the run directory (an error when there is none; the
     model, seed and precision mode must be the checkpoint's)."""
@@ -580,6 +583,8 @@ class CheckpointConfig:
     def __post_init__(self):
         _check(self.save_interval >= 0, "checkpoint.save_interval", f"must be >= 0, got {self.save_interval}",
                "use 0 (only at the end) or a positive step count")
+        _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}",
+               "use 0 (keep every checkpoint) or how many of the newest to keep")
         _check(not (self.resume and self.overwrite), "checkpoint.overwrite", "given with checkpoint.resume",
                "resume (keep the run) or overwrite (start again), not both")
 

@@ -191,7 +191,8 @@ def _loop(run: Run) -> None:
         due = last or stop or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
         if due and run.actor.skipped_in_a_row == 0:  # after a skipped update the newest checkpoint already holds it
             run.actor.reload()  # a colocated hand-over leaves the optimizer state on the host
-            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model)
+            save_checkpoint(run.ckpt_dir, step, run.actor, {"stream": run.scheduler.stream_state()}, cfg.model,
+                            cfg.checkpoint.keep_last)
         if stop and is_rank0():
             clear_stop_request(cfg.logging.run_dir)
         if stop and not last:

@@ -423,9 +423,11 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     plan = json.loads(out.stdout[:out.stdout.index("\n# node 0")])
     assert plan["trainer"]["data_parallel"] == 2 and plan["rollout"]["servers"] == 2
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0]
-    assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in rows)
-    assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in rows[1:])
+    assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0, None]  # and the evaluation after the last step
+    steps, final = rows[:-1], rows[-1]
+    assert all(r["parity_checked"] > 0 and r["parity_mismatch"] == 0 for r in steps)
+    assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in steps[1:])
+    assert final["step"] == 3 and 0 <= final["eval/accuracy"] <= 1
     assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()
     assert json.loads((run / "launch_done.json").read_text()) == {"rc": 0}  # for rollout-only nodes
     left = subprocess.run(["pgrep", "-f", f"serve --model-path {run}"], capture_output=True, text=True)

@@ -229,7 +229,7 @@ def test_resume_continues_the_same_run(tmp_path):
 
 @pytest.mark.slow
 def test_killed_run_resumes_without_losing_steps(tmp_path):
-    proc = _train(tmp_path, "steps=40", "checkpoint.save_interval=3", wait=False)
+    proc = _train(tmp_path, "steps=40", "checkpoint.save_interval=3", "checkpoint.keep_last=2", wait=False)
     ckpts = tmp_path / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts / "step_5").exists():
@@ -238,9 +238,10 @@ def test_killed_run_resumes_without_losing_steps(tmp_path):
     proc.wait()
     assert (ckpts / "step_5").exists()
     killed_at = max(r["step"] for r in _rows(tmp_path))
-    _train(tmp_path, "steps=12", "checkpoint.save_interval=3", "--resume")
+    _train(tmp_path, "steps=12", "checkpoint.save_interval=3", "checkpoint.keep_last=2", "--resume")
     steps = [r["step"] for r in _rows(tmp_path)]
     assert steps == list(range(15)), (killed_at, steps)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_11", "step_13"]  # the newest two kept
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def read_model_config(ckpt_dir: str):
         return ModelConfig(**json.load(f))
 
 
-def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cfg=None) -> str:
+def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cfg=None, keep_last: int = 0) -> str:
     from megatron.core import dist_checkpointing
 
     final = os.path.join(ckpt_root, f"step_{step}")
@@ -181,6 +181,10 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
             f.write(f"step_{step}\n")
         os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
+        if keep_last:  # checkpoint.keep_last: older ones go once this one is complete and named latest
+            older = [p for p in checkpoints(ckpt_root) if int(os.path.basename(p)[5:]) < step]  # newest first
+            for old in older[keep_last - 1:]:
+                shutil.rmtree(old)
     barrier()
     return final
 
