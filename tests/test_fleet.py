@@ -705,7 +705,9 @@ def test_train_with_sglang_engine_on_sglang_rules_servers(mode, transport, tiny_
                              env=ENV, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         rows = _metrics(tmp_path / "run")
-        assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0]
+        assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0, None]  # and the evaluation after the last step
+        rows, final = rows[:-1], rows[-1]
+        assert 0 <= final["eval/accuracy"] <= 1  # the trained policy, on the servers
         for r in rows:  # the push after the warm-up and after each RL step
             assert r["parity_checked"] == 2 * 2 * 4 and r["parity_mismatch"] == 0  # 2 servers x 2 layers x 4
         rl = rows[1:]
