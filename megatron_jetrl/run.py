@@ -13,6 +13,7 @@ from megatron_jetrl.data.dataset import check_prompts, stop_token_ids, train_sam
 from megatron_jetrl.data.prompts import PromptStream
 from megatron_jetrl.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from megatron_jetrl.distributed import dp_rank_size, first_of_ranks, is_logging_rank, is_rank0, rank_share
+from megatron_jetrl.errors import RunComplete
 from megatron_jetrl.metrics.logger import MetricsLogger
 from megatron_jetrl.models.builder import DTYPES, apply_precision_settings, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -24,7 +25,6 @@ from megatron_jetrl.scheduler import Scheduler, make_scheduler
 from megatron_jetrl.sync.export import iter_hf_tensors
 from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
-from megatron_jetrl.errors import RunComplete
 from megatron_jetrl.trainer.checkpoint import (check_model_matches, checkpoint_step, load_checkpoint,
                                                newest_intact_checkpoint)
 from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request, no_checkpoint
