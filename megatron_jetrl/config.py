@@ -565,7 +565,7 @@ class CheckpointConfig:
     """Checkpoint cadence and resume."""
 
     save_interval: int = 0
-    """Save every N RL steps (0 = only at the end)."""
+    """Save after every N-th step of the loop, the supervised warm-up steps counted (0 = only at the end)."""
     keep_last: int = 0
     """Keep the newest N checkpoints of the run: once a save is complete, older ``checkpoints/step_*`` directories
     are deleted (0 = keep every one). A 70B checkpoint with its Adam state is about a terabyte."""
