@@ -60,16 +60,17 @@ def setup(cfg: JetConfig) -> Run:
     if cfg.checkpoint.load_path and not resume_path:
         check_model_matches(cfg.checkpoint.load_path, cfg.model)
     init_distributed(cfg.parallel, cfg.seed)
-    if is_rank0() and clear_stop_request(cfg.logging.run_dir):  # a request made from here on is this run's
-        log.warning("removed %s from %s: a request from before this run", STOP_FILE, cfg.logging.run_dir)
+    run_dir = cfg.logging.run_dir
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if is_rank0() and clear_stop_request(run_dir):  # a request made from here on is this run's
+        log.warning("removed %s from %s: a request from before this run", STOP_FILE, run_dir)
     if resume_path:  # the CRC-32s, read by every rank, a share each; all take the same checkpoint
-        resume_path = newest_intact_checkpoint(os.path.join(cfg.logging.run_dir, "checkpoints"), share=rank_share(),
-                                               agree=first_of_ranks)
+        resume_path = newest_intact_checkpoint(ckpt_dir, share=rank_share(), agree=first_of_ranks)
         if resume_path is None:
-            raise no_checkpoint(os.path.join(cfg.logging.run_dir, "checkpoints"))
+            raise no_checkpoint(ckpt_dir)
     loop_steps = cfg.algo.sft_warmup_steps + cfg.steps
     if resume_path and checkpoint_step(resume_path) + 1 >= loop_steps:
-        raise RunComplete(f"jetrl train: the run in {cfg.logging.run_dir} is complete: {resume_path} holds its last "
+        raise RunComplete(f"jetrl train: the run in {run_dir} is complete: {resume_path} holds its last "
                           f"step ({loop_steps} steps: algo.sft_warmup_steps + steps); raise steps to train further")
     tok = load_tokenizer(cfg.model.tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -86,8 +87,6 @@ def setup(cfg: JetConfig) -> Run:
     actor = Actor(model, fp8_state, cfg.algo, cfg.parallel, dtype, total, cfg.rollout.temperature or 1.0)
     engine = LocalEngine.from_config(model, fp8_state, cfg, tok.pad_id) if cfg.rollout.engine == "local" else None
     stream = PromptStream(samples, cfg.seed)
-    run_dir = cfg.logging.run_dir
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
     start, resume_step = 0, None
     if resume_path:
         path = resume_path

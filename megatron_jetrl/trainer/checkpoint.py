@@ -182,8 +182,8 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
             f.write(f"step_{step}\n")
         os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
         if keep_last:  # checkpoint.keep_last: older ones go once this one is complete and named latest
-            older = [p for p in checkpoints(ckpt_root) if int(os.path.basename(p)[5:]) < step]  # newest first
-            for old in older[keep_last - 1:]:
+            found = checkpoints(ckpt_root)  # newest first: those after this one are older
+            for old in found[found.index(final) + 1:][keep_last - 1:]:
                 shutil.rmtree(old)
     barrier()
     return final
