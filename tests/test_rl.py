@@ -254,6 +254,7 @@ def test_run_saves_and_stops_on_request_then_resumes(tmp_path):
     while time.time() < deadline and proc.poll() is None and not (metrics.exists() and len(_rows(tmp_path)) >= 4):
         time.sleep(0.2)
     assert proc.poll() is None and not stop.exists(), "the run stopped on a request from before it"
+    seen = max(r["step"] for r in _rows(tmp_path))  # the request may land before or after this step's check
     stop.touch()  # as a batch script does on the scheduler's pre-timeout signal
     try:
         rc = proc.wait(timeout=120)
@@ -262,7 +263,8 @@ def test_run_saves_and_stops_on_request_then_resumes(tmp_path):
         raise AssertionError("the run went on past the request to stop")
     assert rc == 0, proc.stderr.read()[-3000:]
     stopped = max(r["step"] for r in _rows(tmp_path))
-    assert 4 <= stopped < 41 and not stop.exists() and "reward_mean" in _rows(tmp_path)[-1]  # no final evaluation
+    assert seen <= stopped <= seen + 2 and not stop.exists()
+    assert "reward_mean" in _rows(tmp_path)[-1]  # an RL step last: no final evaluation
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"  # saved where it stopped
     _train(tmp_path, f"steps={stopped}", "--resume")  # 2 SFT + `stopped` RL steps: one step more
     assert [r["step"] for r in _rows(tmp_path)] == list(range(stopped + 3))  # and the evaluation after the last
