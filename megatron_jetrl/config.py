@@ -20,6 +20,7 @@ import yaml
 
 from megatron_jetrl import env
 from megatron_jetrl.errors import ConfigError  # noqa: F401  (raised here; importers take it from config too)
+from megatron_jetrl.files import write_atomic
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -830,19 +831,6 @@ def config_to_dict(cfg: JetConfig) -> dict:
 
 
 def save_config(cfg: JetConfig, path: str) -> None:
-    """Write the resolved config as YAML (atomically). The temporary file's name is this writer's own: every node's
-    ``jetrl launch`` writes the run's config into the shared run directory at the same time, and a shared temporary
-    name had one node rename the file another was still writing (which then failed to rename it)."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600: the run's config is read by every node's trainer, as before
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write the resolved config as YAML, atomically (``files.write_atomic``): every node's ``jetrl launch`` writes
+    the run's config into the shared run directory at the same time, and every node's trainer reads it (0644)."""
+    write_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

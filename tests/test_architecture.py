@@ -13,7 +13,7 @@ PKG = "megatron_jetrl"
 # Lowest floor first; a module may import only from its own floor or below. Within a floor, imports go
 # one way (checked as no circle). The first entry that prefixes a module's name gives its floor.
 FLOORS = [
-    ("errors", "env", "platform", "memory", "precision.recipe", "precision.layout"),
+    ("errors", "env", "files", "platform", "memory", "precision.recipe", "precision.layout"),
     ("kernels",),
     ("precision",),
     ("config", "distributed"),

@@ -26,21 +26,17 @@ def test_config_written_by_two_writers_at_once(tmp_path, monkeypatch):
     """Every node's `jetrl launch` writes the run's config into the shared run directory at the same time. Here a
     second writer saves the same path while the first is between writing its temporary file and renaming it: both
     complete, the file is whole (the last rename's), and no temporary file is left."""
-    import yaml
-
-    import megatron_jetrl.config as config_mod
-
     path = str(tmp_path / "launch_config.yaml")
     first, second = load_config(TINY, ["seed=1"]), load_config(TINY, ["seed=2"])
-    dump, nested = yaml.safe_dump, []
+    fsync, nested = os.fsync, []
 
-    def dump_then_another_writer(data, f, **kw):
-        dump(data, f, **kw)
+    def fsync_then_another_writer(fd):  # the temporary file written, not yet renamed
+        fsync(fd)
         if not nested:  # the other node, once
             nested.append(1)
             save_config(second, path)
 
-    monkeypatch.setattr(config_mod.yaml, "safe_dump", dump_then_another_writer)
+    monkeypatch.setattr(os, "fsync", fsync_then_another_writer)
     save_config(first, path)
     monkeypatch.undo()
     assert load_config(path) == first and os.listdir(tmp_path) == ["launch_config.yaml"]

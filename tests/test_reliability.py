@@ -234,3 +234,24 @@ def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path, meg
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         setup(cfg)
     assert len(str(e.value).splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_small_shared_files_are_replaced_whole_with_their_mode(tmp_path, monkeypatch):
+    from megatron_jetrl.files import write_atomic
+    from megatron_jetrl.rollout.sglang import write_admin_key_file
+
+    key_file = tmp_path / "admin" / "sglang_servers.yaml"
+    write_admin_key_file(str(key_file), "old-key")
+    os.chmod(key_file, 0o644)  # as a copy or an earlier tool may leave it
+    with open(key_file) as reader:  # a server reading the file while the next run rewrites it
+        write_admin_key_file(str(key_file), "new-key")
+        assert "old-key" in reader.read()  # the reader's file was replaced, not truncated under it
+    assert "new-key" in key_file.read_text() and (key_file.stat().st_mode & 0o777) == 0o600
+
+    latest = tmp_path / "latest"
+    write_atomic(str(latest), "step_3\n")
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(str(latest), "step_4\n")
+    assert latest.read_text() == "step_3\n"  # the old file whole
+    assert sorted(os.listdir(tmp_path)) == ["admin", "latest"]  # and no temporary file left

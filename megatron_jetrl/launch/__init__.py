@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from megatron_jetrl.env import ADMIN_API_KEY, admin_api_key, snapshot
+from megatron_jetrl.files import write_atomic
 from megatron_jetrl.launch.planner import (FRAGMENTATION, GB, OVERHEAD, Layout, PlanError, ServerMemory, param_counts,
                                            search_layouts, server_memory, trainer_memory, valid_tp)
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -288,10 +289,7 @@ DONE_FILE = "launch_done.json"  # in the run directory: the training's end, for 
 
 def write_done(path: str, rc: int) -> None:
     """The first trainer node's launch says the training ended (its exit code), atomically."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rc": rc}, f)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"rc": rc}))
 
 
 def serve_until_trained(servers: list[subprocess.Popen], done_path: str, since_path: str, poll_s: float = 5.0) -> int:

@@ -6,6 +6,8 @@ import logging
 import math
 import os
 
+from megatron_jetrl.files import write_atomic
+
 log = logging.getLogger("jetrl")
 
 
@@ -17,10 +19,7 @@ class MetricsLogger:
             # step appears exactly once.
             with open(self.path) as f:
                 keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(keep))
         elif os.path.exists(self.path):
             # A fresh run in a used run directory starts its own curves (--resume continues them).
             log.warning("%s: starting a fresh run; the previous metrics.jsonl and TensorBoard curves are replaced "

@@ -42,6 +42,7 @@ import torch
 
 from megatron_jetrl.env import ADMIN_API_KEY, admin_api_key, snapshot
 from megatron_jetrl.distributed import free_port, free_ports
+from megatron_jetrl.files import write_atomic
 from megatron_jetrl.rollout.base import Generation, SamplingParams
 from megatron_jetrl.rollout.seeded import row_seeds
 from megatron_jetrl.sync.sglang_checksum import ExpectedChecksums, compare
@@ -99,10 +100,8 @@ def write_admin_key_file(path: str, key: str) -> None:
     import yaml
 
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump({"admin-api-key": key}, f)  # the flag's spelling: SGLang passes keys on as --KEY
+    # the key's spelling is the flag's: SGLang passes a config file's keys on as --KEY
+    write_atomic(path, yaml.safe_dump({"admin-api-key": key}), mode=0o600)
 
 
 def router_argv(cfg, worker_urls: list[str], port: int) -> list[str]:

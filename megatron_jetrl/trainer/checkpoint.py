@@ -19,6 +19,7 @@ import torch
 
 from megatron_jetrl.distributed import barrier, is_rank0
 from megatron_jetrl.errors import TrainingError
+from megatron_jetrl.files import write_atomic
 
 log = logging.getLogger("jetrl.checkpoint")
 CHECKSUMS_FILE = "checksums.json"
@@ -178,9 +179,7 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
-            f.write(f"step_{step}\n")
-        os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
+        write_atomic(os.path.join(ckpt_root, "latest"), f"step_{step}\n")
         if keep_last:  # checkpoint.keep_last: older ones go once this one is complete and named latest
             found = checkpoints(ckpt_root)  # newest first: those after this one are older
             for old in found[found.index(final) + 1:][keep_last - 1:]:
