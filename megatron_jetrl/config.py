@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -320,6 +321,11 @@ class RolloutConfig:
     """Fleet: servers launched (ignored when ``server_addresses`` attaches to running ones)."""
     server_addresses: list[str] = field(default_factory=list)
     """Fleet: attach to these running servers (``http://host:port``) instead of launching."""
+    launch_id: str = ""
+    """Fleet: the launch's identity, set by ``jetrl launch`` (``--launch-id``; under Slurm the job and step id). The
+    trainer writes it to ``RUN_DIR/rollout/weights.launch`` once its initial weights are complete, and the launch's
+    servers start when that file names their launch, however late their node starts. Empty: they wait for weights
+    newer than the launch's config, so every node's launch must start before the trainer writes them."""
     server_tp: int = 1
     """Fleet: tensor-parallel size of each SGLang server."""
     mem_fraction: float = 0.8
@@ -403,6 +409,9 @@ class RolloutConfig:
         for a in self.server_addresses:
             _check(a.startswith(("http://", "https://")), "rollout.server_addresses", f"{a!r} is not a URL",
                    "write http://host:port")
+        _check(re.fullmatch(r"[A-Za-z0-9._-]*", self.launch_id) is not None, "rollout.launch_id",
+               f"{self.launch_id!r} holds other characters than letters, digits, '.', '_' and '-'",
+               "use e.g. the scheduler's job id")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0", "use 0 for greedy")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"{self.top_p} not in (0, 1]", "use a value in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to disable")

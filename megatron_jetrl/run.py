@@ -14,6 +14,7 @@ from megatron_jetrl.data.prompts import PromptStream
 from megatron_jetrl.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from megatron_jetrl.distributed import dp_rank_size, first_of_ranks, is_logging_rank, is_rank0, rank_share
 from megatron_jetrl.errors import RunComplete
+from megatron_jetrl.files import write_atomic
 from megatron_jetrl.metrics.logger import MetricsLogger
 from megatron_jetrl.models.builder import DTYPES, apply_precision_settings, build_model
 from megatron_jetrl.precision.recipe import FP8Recipe
@@ -27,7 +28,8 @@ from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
 from megatron_jetrl.trainer.checkpoint import (check_model_matches, checkpoint_step, load_checkpoint,
                                                newest_intact_checkpoint)
-from megatron_jetrl.trainer.run_dir import STOP_FILE, check_run_dir, clear_run, clear_stop_request, no_checkpoint
+from megatron_jetrl.trainer.run_dir import (LAUNCH_MARK, STOP_FILE, check_run_dir, clear_run, clear_stop_request,
+                                            no_checkpoint)
 
 log = logging.getLogger("jetrl")
 
@@ -121,6 +123,8 @@ def setup(cfg: JetConfig) -> Run:
     run.scheduler = make_scheduler(run)
     if engine is None:  # last: a fleet starts from the trainer's current weights, written to the run dir
         model_dir, _ = disk_push(run, start, iter_hf_tensors(actor.module, cfg.model, export_options(cfg, recipe)))
+        if cfg.rollout.launch_id and is_rank0():  # complete on every rank's share: this launch's servers may load them
+            write_atomic(os.path.join(run_dir, LAUNCH_MARK), cfg.rollout.launch_id + "\n")
         from megatron_jetrl.rollout.sglang import start_fleet
 
         run.engine = start_fleet(cfg, recipe, model_dir)

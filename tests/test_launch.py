@@ -228,21 +228,37 @@ def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path, capsys
 
 def test_servers_wait_for_this_launchs_weights(tmp_path):
     """A server command waits for the initial weights of this launch's trainer, not for those an earlier launch left
-    in the run directory (which the trainer replaces while a server would be loading them)."""
+    in the run directory (which the trainer replaces while a server would be loading them). With the launch's identity
+    (Slurm's, or --launch-id) a node whose launch starts after the trainer wrote them starts at once; without one it
+    would wait on weights older than its own config."""
     import time
+
+    from megatron_jetrl.launch import launch_identity
 
     cfg = _cfg("llama3.1-8b-jet")
     plan = make_plan(cfg, Cluster(1, 8, 80, ["127.0.0.1"]), seq_len=8192, concurrency=32)
     run = tmp_path / "run"
     config_path = str(run / "launch_config.yaml")
-    resolved = resolve_config(cfg, plan, str(run), None)
-    server = commands(plan, resolved, config_path, hf_checkpoint=None, ckpt_dir=None, python="true")[0][0]
     weights = run / "rollout" / "weights"
     weights.mkdir(parents=True)
+
+    def server_of(launch_id: str) -> list[str]:
+        resolved = resolve_config(cfg, plan, str(run), None, launch_id)
+        return commands(plan, resolved, config_path, hf_checkpoint=None, ckpt_dir=None, python="true")[0][0]
+
+    def waits(cmd: list[str], s: float = 3.0) -> bool:
+        proc = subprocess.Popen(cmd)
+        try:
+            time.sleep(s)
+            return proc.poll() is None
+        finally:
+            proc.kill()
+            proc.wait()
+
     (weights / "config.json").write_text("{}")  # the earlier launch's
     os.utime(weights / "config.json", (time.time() - 600,) * 2)
     (run / "launch_config.yaml").write_text("{}")  # this launch's, written before its servers start
-    proc = subprocess.Popen(server)
+    proc = subprocess.Popen(server_of(""))
     try:
         time.sleep(3)
         assert proc.poll() is None  # still waiting
@@ -250,6 +266,19 @@ def test_servers_wait_for_this_launchs_weights(tmp_path):
         assert proc.wait(timeout=15) == 0  # and the server starts (here: `true`)
     finally:
         proc.kill()
+
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    this = launch_identity(None, slurm)
+    assert (this, launch_identity(None, {**slurm, "SLURM_RESTART_COUNT": "1"}), launch_identity(None, {})) == \
+        ("4242.0.0", "4242.1.0", "")  # a requeued job is another launch; no scheduler, no identity
+    assert launch_identity("mine", slurm) == "mine"
+    (run / "launch_config.yaml").write_text("{}")  # a late node's launch: its config newer than the weights
+    assert waits(server_of(""))  # without an identity it would wait for good
+    assert waits(server_of(this))  # with one: no weights of this launch yet
+    (run / "rollout" / "weights.launch").write_text("4242.0.0-earlier\n")
+    assert waits(server_of(this))  # an earlier launch's
+    (run / "rollout" / "weights.launch").write_text(this + "\n")  # as the trainer writes it, after its weights
+    assert not waits(server_of(this), 1.0)  # started at once
 
 
 def test_launch_trains_the_model_the_hf_checkpoint_states(tmp_path):
@@ -314,6 +343,26 @@ def test_rollout_only_node_serves_until_the_training_ends(tmp_path):
         server.wait()
     dead = [subprocess.Popen(["sh", "-c", f"exit {c}"]) for c in (0, 3)]
     assert serve_until_trained(dead, str(tmp_path / "never.json"), str(since), 0.05) == 3
+    # with the launch's identity the file's content decides: a late node's launch (its config newer than the file)
+    # stops on its launch's file, and another launch's newer file does not stop it
+    write_done(done, 0, "7.0.1")
+    since.write_text("{}")
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        assert serve_until_trained([server], done, str(since), 0.05, launch_id="7.0.1") == 0
+        write_done(done, 0, "7.0.0")
+        result.clear()
+        waiter = threading.Thread(target=lambda: result.append(
+            serve_until_trained([server], done, str(since), 0.05, launch_id="7.0.1")))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()
+        write_done(done, 1, "7.0.1")
+        waiter.join(timeout=5)
+        assert result == [0]
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_slurm_environment():
@@ -411,7 +460,7 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     offload), weights pushed over the broadcast group with FP8 parity, servers stopped at the end."""
     from megatron_jetrl.distributed import free_ports
 
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO, SLURM_JOB_ID="77", SLURM_STEP_ID="3")  # the identity Slurm would give
     run = tmp_path / "run"
     base = free_ports(3)  # two servers, then the rendezvous; none an ephemeral port gloo's sockets could take first
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "launch", "--preset", "tiny", "--nodes", "1",
@@ -429,7 +478,8 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     assert all(r["fleet_servers_up"] == 2 and r["trainer_offloaded_gb"] > 0 for r in steps[1:])
     assert final["step"] == 3 and 0 <= final["eval/accuracy"] <= 1
     assert "jetrl serve: ready" in (run / "sglang_node0_1.log").read_text()
-    assert json.loads((run / "launch_done.json").read_text()) == {"rc": 0}  # for rollout-only nodes
+    assert json.loads((run / "launch_done.json").read_text()) == {"rc": 0, "launch": "77.0.3"}  # for rollout-only nodes
+    assert (run / "rollout" / "weights.launch").read_text() == "77.0.3\n"  # the servers started on it
     left = subprocess.run(["pgrep", "-f", f"serve --model-path {run}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""  # the servers were stopped with the job
 

@@ -80,6 +80,17 @@ def cluster_from(args, env: dict | None = None) -> Cluster:
     return Cluster(nodes, gpn, args.gpu_mem_gb, hosts[:nodes], node_rank)
 
 
+def launch_identity(given: str | None, env: dict | None = None) -> str:
+    """The launch's identity, the same on every node (``rollout.launch_id``): ``--launch-id``, else Slurm's job id,
+    restart count and step id (every node's task of one ``srun`` shares them; a requeued job keeps its id and counts
+    a restart, a resumed one has another id), else none."""
+    env = snapshot() if env is None else env
+    if given is not None:
+        return given
+    job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
+    return f"{job}.{env.get('SLURM_RESTART_COUNT') or 0}.{step}" if job and step else ""
+
+
 @dataclasses.dataclass
 class Plan:
     cluster: Cluster
@@ -205,15 +216,16 @@ def server_urls(plan: Plan) -> list[tuple[int, int, str]]:
     return out
 
 
-def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None):
-    """The run config the trainer gets: the planned layout, the fleet's addresses. It holds no admin key (it is
+def resolve_config(cfg, plan: Plan, run_dir: str, ckpt_dir: str | None, launch_id: str = ""):
+    """The run config the trainer gets: the planned layout, the fleet's addresses, the launch's identity
+    (:func:`launch_identity`). It holds no admin key (it is
     written to the shared run directory): the trainer and ``jetrl serve`` workers get the key in their environment
     (``JETRL_ADMIN_API_KEY``), SGLang servers in a YAML file of their ``--config`` (:func:`admin_key_file`)."""
     cfg = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, tensor_parallel=plan.layout.tp, pipeline_parallel=plan.layout.pp),
         rollout=dataclasses.replace(cfg.rollout, engine="serve" if cfg.rollout.engine == "serve" else "sglang",
-                                    server_addresses=[u for *_, u in server_urls(plan)],
+                                    server_addresses=[u for *_, u in server_urls(plan)], launch_id=launch_id,
                                     admin_api_key=None, server_tp=plan.server_tp,
                                     weight_transport="distributed" if plan.layout.pp == 1 else "disk"),
         checkpoint=dataclasses.replace(cfg.checkpoint, load_path=ckpt_dir or cfg.checkpoint.load_path),
@@ -229,8 +241,9 @@ def admin_key_file(run_dir: str, node: int) -> str:
 
 def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ckpt_dir: str | None,
              python: str = "python") -> dict[int, list[list[str]]]:
-    """Per node, in order. Servers (background) wait for the trainer's initial weights
-    (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup; newer than ``config_path``,
+    """Per node, in order. Servers (background) wait for this launch's trainer's initial weights
+    (``RUN_DIR/rollout/weights``, block FP8 in the recipe's format, written at setup: those the file
+    ``rollout/weights.launch`` says are of ``rollout.launch_id``; without an identity, those newer than ``config_path``,
     which the launch writes before it starts them) and load them;
     trainer nodes convert the HF checkpoint (if given; again over an earlier conversion with
     ``checkpoint.overwrite``; a resumed run gives none: it loads its own checkpoint) and train under torchrun. No
@@ -239,10 +252,17 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
     ``JETRL_ADMIN_API_KEY`` in the environment ``jetrl launch`` starts them with."""
     from megatron_jetrl.precision.recipe import FP8Recipe
     from megatron_jetrl.rollout.sglang import serve_argv, sglang_server_argv
+    from megatron_jetrl.trainer.run_dir import LAUNCH_MARK, WEIGHTS_DIR
 
     c = plan.cluster
     recipe = FP8Recipe.from_config(cfg.precision)
-    model_dir = os.path.join(cfg.logging.run_dir, "rollout", "weights")
+    model_dir = os.path.join(cfg.logging.run_dir, WEIGHTS_DIR)
+    if cfg.rollout.launch_id:  # the weights this launch's trainer wrote, whenever this node starts
+        mark = shlex.quote(os.path.join(cfg.logging.run_dir, LAUNCH_MARK))
+        fresh = f'[ "$(cat {mark} 2>/dev/null)" = {shlex.quote(cfg.rollout.launch_id)} ]'
+    else:  # newer than this launch's config (a launch again in the run directory finds the earlier launch's, which
+        # its trainer is about to replace); a node whose launch starts after the trainer wrote them waits on
+        fresh = f"[ {shlex.quote(model_dir + '/config.json')} -nt {shlex.quote(config_path)} ]"
     out: dict[int, list[list[str]]] = {n: [] for n in range(c.nodes)}
     env = ["env", *[f"{k}={v}" for k, v in TRAIN_ENV.items()]]
     for i, ((node, gpus), (_, port, _)) in enumerate(zip(plan.servers, server_urls(plan))):
@@ -254,9 +274,6 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
                                       key_file=admin_key_file(cfg.logging.run_dir, node))
             argv[argv.index("--host") + 1] = "0.0.0.0"
             launch = shlex.join([*env, python, "-m", "sglang.launch_server", *argv])
-        # the weights this launch's trainer writes: newer than this launch's config (a launch again in the run
-        # directory finds the earlier launch's, which its trainer is about to replace)
-        fresh = f"[ {shlex.quote(model_dir + '/config.json')} -nt {shlex.quote(config_path)} ]"
         out[node].append(["bash", "-c", f"until {fresh}; do sleep 2; done; exec {launch}"])
     master = c.hosts[plan.trainer_nodes[0]]
     torchrun = [python, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
@@ -287,27 +304,37 @@ def _said_ready(log_path: str) -> bool:
 DONE_FILE = "launch_done.json"  # in the run directory: the training's end, for the rollout-only nodes
 
 
-def write_done(path: str, rc: int) -> None:
-    """The first trainer node's launch says the training ended (its exit code), atomically."""
-    write_atomic(path, json.dumps({"rc": rc}))
+def write_done(path: str, rc: int, launch_id: str = "") -> None:
+    """The first trainer node's launch says the training ended (its exit code; its launch's identity), atomically."""
+    write_atomic(path, json.dumps({"rc": rc, "launch": launch_id}))
 
 
-def serve_until_trained(servers: list[subprocess.Popen], done_path: str, since_path: str, poll_s: float = 5.0) -> int:
+def _done_by(done_path: str, since_path: str, launch_id: str) -> bool:
+    """Whether ``done_path`` is this launch's: it names ``launch_id``, or without an identity it is newer than
+    ``since_path`` (this launch's config; an earlier launch's file is older)."""
+    try:
+        if launch_id:
+            with open(done_path) as f:
+                return json.load(f).get("launch") == launch_id
+        return os.path.getmtime(done_path) > os.path.getmtime(since_path)
+    except (OSError, ValueError):  # not written yet
+        return False
+
+
+def serve_until_trained(servers: list[subprocess.Popen], done_path: str, since_path: str, poll_s: float = 5.0,
+                        launch_id: str = "") -> int:
     """A rollout-only node (disaggregated, more than one node) serves until the first trainer node's launch writes
-    ``done_path`` newer than ``since_path`` (this launch's config; an earlier launch's file is older), then 0 (the
-    caller stops its servers); or, if every server exits first, their worst exit code. Without it the node's
-    servers would outlive the training and hold the job's allocation until its time limit."""
+    this launch's ``done_path`` (:func:`_done_by`), then 0 (the caller stops its servers); or, if every server exits
+    first, their worst exit code. Without it the node's servers would outlive the training and hold the job's
+    allocation until its time limit."""
     import time
 
     while True:
         codes = [p.poll() for p in servers]
         if all(c is not None for c in codes):
             return max(codes)
-        try:
-            if os.path.getmtime(done_path) > os.path.getmtime(since_path):
-                return 0
-        except OSError:  # not written yet
-            pass
+        if _done_by(done_path, since_path, launch_id):
+            return 0
         time.sleep(poll_s)
 
 
@@ -395,6 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="start over in a run directory that holds a run: convert --hf-checkpoint again and delete the "
                     "run's checkpoints and metrics")
+    ap.add_argument("--launch-id", default=None,
+                    help="this launch's identity, the same on every node (default under Slurm: the job and step id): "
+                    "servers start on the weights of the trainer of this launch, however late their node starts")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, memory and commands; start nothing")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
@@ -440,7 +470,7 @@ def main(argv=None) -> int:
     for line in notes:
         print(line, file=sys.stderr)
     try:
-        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir)
+        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, launch_identity(args.launch_id))
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -476,7 +506,7 @@ def main(argv=None) -> int:
                 if rc:
                     break
         if procs and all(c[0] == "bash" for c in mine):  # a rollout-only node serves until the training ends
-            rc = serve_until_trained(procs, done_path, config_path)
+            rc = serve_until_trained(procs, done_path, config_path, launch_id=resolved.rollout.launch_id)
     except KeyboardInterrupt:
         rc = 130
     finally:
@@ -484,5 +514,5 @@ def main(argv=None) -> int:
             if p.poll() is None:
                 os.killpg(p.pid, 15)
         if plan.trainer_nodes and cluster.node_rank == plan.trainer_nodes[0]:
-            write_done(done_path, rc)
+            write_done(done_path, rc, resolved.rollout.launch_id)
     return rc

@@ -19,6 +19,7 @@ from megatron_jetrl.models.builder import DTYPES
 from megatron_jetrl.precision.recipe import FP8Recipe
 from megatron_jetrl.sync.export import ExportOptions, hf_bf16_linears, iter_hf_tensors
 from megatron_jetrl.sync.transport import DiskTransport, InProcessTransport
+from megatron_jetrl.trainer.run_dir import WEIGHTS_DIR
 
 
 def export_options(cfg: JetConfig, recipe: FP8Recipe) -> ExportOptions:
@@ -33,7 +34,7 @@ def disk_push(run, version: int, items, record_hashes: bool = True) -> tuple[str
     weight_hashes.json (what the receiver verifies) when ``record_hashes``: parity-check steps only,
     hashing every tensor is not free on large models (``logging.parity_interval``)."""
     recipe = run.actor.fp8_state.recipe
-    path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, "rollout", "weights"))
+    path = os.path.abspath(os.path.join(run.cfg.logging.run_dir, WEIGHTS_DIR))
     qc = (recipe.hf_quantization_config(hf_bf16_linears(run.actor.module, run.cfg.model, run.actor.fp8_state))
           if recipe.rollout_fp8 else None)
     m = DiskTransport(path, run.cfg.model.to_hf_config(), quantization_config=qc, collective=True,

@@ -13,6 +13,10 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "c
 # Created in the run directory (by hand, or by a batch script on the scheduler's pre-timeout signal: docs/cluster.md),
 # it asks the run to save a checkpoint after its current step and end; the run removes it when it does.
 STOP_FILE = "save_and_stop"
+# The rollout's weights as the trainer hands them to a fleet's servers (an HF directory), and the file naming the launch
+# whose trainer wrote the initial ones (``rollout.launch_id``): that launch's servers start on them.
+WEIGHTS_DIR = os.path.join("rollout", "weights")
+LAUNCH_MARK = os.path.join("rollout", "weights.launch")
 # The settings a resumed run must share with the run it continues.
 SAME_RUN_KEYS = ("model", "seed", "precision.mode", "precision.scale_fmt", "data.path", "data.reward")
 
