@@ -181,10 +181,15 @@ def test_multi_node_launch_needs_one_admin_key(tmp_path, capsys, monkeypatch):
     rc, out, err = _launch(capsys, *argv, "--dry-run")
     assert rc == 0 and "need one admin key" in err and "sglang.launch_server" in out
     monkeypatch.setenv("JETRL_ADMIN_API_KEY", "s3cr3t-k3y")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     rc, out, err = _launch(capsys, *argv, "--dry-run")
     assert rc == 0 and "admin key" not in err
     assert "s3cr3t-k3y" not in out and "--admin-api-key" not in out
     assert f"--config {run}/admin/sglang_node1.yaml" in out and not run.exists()
+    # a hand launch of several nodes is told how late nodes can join; with an identity its servers wait on it
+    assert "no launch identity" in err and "weights.launch" not in out
+    rc, out, err = _launch(capsys, *argv, "--dry-run", "--launch-id", "job7")
+    assert rc == 0 and "no launch identity" not in err and f"{run}/rollout/weights.launch" in out and "= job7 ]" in out
 
 
 def test_launch_again_in_a_run_directory_resumes_or_starts_over(tmp_path, capsys):

@@ -467,10 +467,14 @@ def main(argv=None) -> int:
         return 2
     for line in refusals:
         notes.append(line + " (a dry run shows the commands regardless)")
+    launch_id = launch_identity(args.launch_id)
+    if not launch_id and plan.servers and cluster.nodes > 1:
+        notes.append("launch: no launch identity (no Slurm job, no --launch-id): every node's launch must start before "
+                     "the trainer writes its initial weights; give each node the same --launch-id for late nodes to join")
     for line in notes:
         print(line, file=sys.stderr)
     try:
-        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, launch_identity(args.launch_id))
+        resolved = resolve_config(cfg, plan, run_dir, ckpt_dir, launch_id)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
