@@ -322,10 +322,11 @@ class RolloutConfig:
     server_addresses: list[str] = field(default_factory=list)
     """Fleet: attach to these running servers (``http://host:port``) instead of launching."""
     launch_id: str = ""
-    """Fleet: the launch's identity, set by ``jetrl launch`` (``--launch-id``; under Slurm the job and step id). The
-    trainer writes it to ``RUN_DIR/rollout/weights.launch`` once its initial weights are complete, and the launch's
-    servers start when that file names their launch, however late their node starts. Empty: they wait for weights
-    newer than the launch's config, so every node's launch must start before the trainer writes them."""
+    """Fleet: the launch's identity, set by ``jetrl launch`` (``--launch-id``; under Slurm the job id, its restart count
+    and the step id). The trainer writes it to ``RUN_DIR/rollout/weights.launch`` once its initial weights are
+    complete, and the launch's servers start when that file names their launch, however late their node starts.
+    Empty: they wait for weights newer than the launch's config, so every node's launch must start before the trainer
+    writes them."""
     server_tp: int = 1
     """Fleet: tensor-parallel size of each SGLang server."""
     mem_fraction: float = 0.8

@@ -261,7 +261,7 @@ def commands(plan: Plan, cfg, config_path: str, *, hf_checkpoint: str | None, ck
         mark = shlex.quote(os.path.join(cfg.logging.run_dir, LAUNCH_MARK))
         fresh = f'[ "$(cat {mark} 2>/dev/null)" = {shlex.quote(cfg.rollout.launch_id)} ]'
     else:  # newer than this launch's config (a launch again in the run directory finds the earlier launch's, which
-        # its trainer is about to replace); a node whose launch starts after the trainer wrote them waits on
+        # its trainer is about to replace); a node whose launch starts after the trainer wrote them never starts
         fresh = f"[ {shlex.quote(model_dir + '/config.json')} -nt {shlex.quote(config_path)} ]"
     out: dict[int, list[list[str]]] = {n: [] for n in range(c.nodes)}
     env = ["env", *[f"{k}={v}" for k, v in TRAIN_ENV.items()]]
@@ -423,7 +423,8 @@ def main(argv=None) -> int:
                     help="start over in a run directory that holds a run: convert --hf-checkpoint again and delete the "
                     "run's checkpoints and metrics")
     ap.add_argument("--launch-id", default=None,
-                    help="this launch's identity, the same on every node (default under Slurm: the job and step id): "
+                    help="this launch's identity, the same on every node (default under Slurm: the job id, restart count "
+                    "and step id): "
                     "servers start on the weights of the trainer of this launch, however late their node starts")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, memory and commands; start nothing")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
