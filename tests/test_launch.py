@@ -475,7 +475,7 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads(out.stdout[:out.stdout.index("\n# node 0")])
-    assert plan["trainer"]["data_parallel"] == 2 and plan["rollout"]["servers"] == 2
+    assert plan["trainer"]["data_parallel"] == 2 and plan["rollout"]["servers"] == 2 and plan["launch_id"] == "77.0.3"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r.get("is_rl") for r in rows] == [0.0, 1.0, 1.0, None]  # and the evaluation after the last step
     steps, final = rows[:-1], rows[-1]

@@ -481,7 +481,7 @@ def main(argv=None) -> int:
         return 2
     cmds = commands(plan, resolved, config_path, hf_checkpoint=None if args.resume else args.hf_checkpoint,
                     ckpt_dir=ckpt_dir, python=sys.executable)
-    summary = plan.summary()
+    summary = {**plan.summary(), "launch_id": launch_id}
     if args.json:
         print(json.dumps({**summary, "commands": {str(k): [shlex.join(c) for c in v] for k, v in cmds.items()}}, indent=1))
     else:
