@@ -544,7 +544,8 @@ def test_slurm_batch_script_asks_the_run_to_save_and_stop_before_the_time_limit(
 
     run, stub = tmp_path / "run", tmp_path / "bin"
     stub.mkdir()
-    (stub / "srun").write_text('#!/usr/bin/env bash\n"$@" --dry-run --nodes 4 > "$RUN.plan" 2>&1; echo $? > "$RUN.rc"\n'
+    (stub / "srun").write_text('#!/usr/bin/env bash\nexport SLURM_JOB_ID=4242 SLURM_STEP_ID=0\n'  # as srun sets them
+                               '"$@" --dry-run --nodes 4 > "$RUN.plan" 2>&1; echo $? > "$RUN.rc"\n'
                                'for _ in $(seq 600); do [ -e "$RUN/save_and_stop" ] && exit 3; sleep 0.1; done\n'
                                'exit 9\n')
     (stub / "srun").chmod(0o755)
@@ -567,3 +568,4 @@ def test_slurm_batch_script_asks_the_run_to_save_and_stop_before_the_time_limit(
     assert open(f"{run}.rc").read().strip() == "0", plan
     assert ("hf-to-megatron" in plan) != resumed  # a resumed run converts nothing
     assert "node 3" in plan and "admin key" not in plan.lower()  # one admin key for the 4 nodes was found
+    assert '"launch_id": "4242.0.0"' in plan and "weights.launch" in plan  # late nodes join this job's launch
