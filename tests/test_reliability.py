@@ -237,6 +237,9 @@ def test_bad_input_stops_before_the_run_directory_is_written(case, tmp_path, meg
 
 
 def test_small_shared_files_are_replaced_whole_with_their_mode(tmp_path, monkeypatch):
+    """The files other processes read (here the servers' admin key file and a checkpoint's ``latest``) are replaced by
+    a rename: a reader keeps the file it opened, a private file gets its mode whatever it replaces, and a write that
+    fails leaves the old file and no temporary one."""
     from megatron_jetrl.files import write_atomic
     from megatron_jetrl.rollout.sglang import write_admin_key_file
 
