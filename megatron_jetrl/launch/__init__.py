@@ -84,9 +84,9 @@ def launch_identity(given: str | None, env: dict | None = None) -> str:
     """The launch's identity, the same on every node (``rollout.launch_id``): ``--launch-id``, else Slurm's job id,
     restart count and step id (every node's task of one ``srun`` shares them; a requeued job keeps its id and counts
     a restart, a resumed one has another id), else none."""
-    env = snapshot() if env is None else env
     if given is not None:
         return given
+    env = snapshot() if env is None else env
     job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
     return f"{job}.{env.get('SLURM_RESTART_COUNT') or 0}.{step}" if job and step else ""
 
