@@ -3,8 +3,8 @@ CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an addi
 ``rollout.decode_attention=sdpa`` runs), the exact-length Triton kernel (``kernels/decode_attn.py``,
 ``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
 reference, matmul + fp32 softmax and SDPA with K/V expanded; and the key-major Triton kernel over the FP8 KV
-cache (``precision.kv_cache=fp8``: E4M3 K/V with a scale per token and KV head, V stored [L, d] as the decoder
-keeps it on the H100, ``rollout.fp8_kv_v_layout``). Prints us, the KV bytes/s each reaches
+cache (``precision.kv_cache=fp8``: E4M3 K/V with a scale per token and KV head; V stored [L, d], as the decoder
+keeps it on the H100, and key-major, [d, L] memory, as on the H200: ``rollout.fp8_kv_v_layout``, ``--v-layout``). Prints us, the KV bytes/s each reaches
 (the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
 difference from the fp32 reference.
 Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--bucket 256] [--json F]"""
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--plans", default="64:2:4,32:2:4,64:3:4,128:2:4,128:3:4,128:2:8,64:2:8",
                     help="Triton plans block_n:num_stages:num_warps")
+    ap.add_argument("--v-layout", default="rows,key_major",
+                    help="the FP8 cache's V layouts timed: rows ([L, d]), key_major ([d, L] memory)")
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
     ap.add_argument("--dtype", default="bfloat16", help="the KV cache's dtype (the interpreter has no bf16 dot: "
@@ -60,6 +62,10 @@ def main() -> None:
         # the FP8 KV cache of precision.kv_cache=fp8 (E4M3, a power-of-two scale per token and KV head), and the
         # dequantized values the reference and the BF16 variants below read in the FP8 rows' comparison
         (kq, ks), (vq, vs) = quantize_kv(kc, KV_RECIPE), quantize_kv(vc, KV_RECIPE)
+        v_fp8 = {"rows": vq, "key_major": vq.transpose(2, 3).contiguous().transpose(2, 3)}  # same values
+        layouts = [v for v in a.v_layout.split(",") if v]
+        if not layouts or set(layouts) - set(v_fp8):
+            raise SystemExit(f"--v-layout: {a.v_layout!r}; give rows, key_major or both, comma-separated")
         for n in map(int, a.keys.split(",")):
             Lb = min(L, -(-n // a.bucket) * a.bucket)
             ok = torch.ones(B, L, dtype=torch.bool, device=dev)
@@ -96,9 +102,10 @@ def main() -> None:
                 for sp in sorted({1, auto, 2 if auto == 1 else auto}):
                     variants[f"triton exact bn{bn} st{st} w{w} split{sp}"] = (
                         (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kc, vc, ok, pos, d ** -0.5, sp, bn, st, w)), n)
-                    variants[f"triton fp8-kv bn{bn} st{st} w{w} split{sp}"] = (
-                        (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kq, vq, ok, pos, d ** -0.5, sp, bn, st, w,
-                                                                           k_scale=ks, v_scale=vs)), n)
+                    for lay in layouts:
+                        variants[f"triton fp8-kv v-{lay} bn{bn} st{st} w{w} split{sp}"] = (
+                            (lambda bn=bn, st=st, w=w, sp=sp, vv=v_fp8[lay]: decode_attention(
+                                q, kq, vv, ok, pos, d ** -0.5, sp, bn, st, w, k_scale=ks, v_scale=vs)), n)
             kd = dequantize_kv(kq[:, :, :n], ks[:, :, :n], torch.float32)
             vd = dequantize_kv(vq[:, :, :n], vs[:, :, :n], torch.float32)
             s8 = torch.matmul(qf.view(B, G, H // G, d), kd.transpose(-1, -2)) * d ** -0.5
@@ -123,11 +130,12 @@ def main() -> None:
             if best:
                 print(f"B={B} keys={n}: best Triton plan {best['variant']} {best['us']:.1f} us, "
                       f"{base / best['us']:.2f}x the SDPA bucket ({base:.1f} us)", flush=True)
-            best8 = min((r for r in rows if r["batch"] == B and r["keys"] == n and "fp8-kv" in r["variant"]),
-                        key=lambda r: r["us"], default=None)
-            if best8:
-                print(f"B={B} keys={n}: best FP8-KV plan {best8['variant']} {best8['us']:.1f} us, "
-                      f"{base / best8['us']:.2f}x the SDPA bucket", flush=True)
+            for lay in layouts:
+                best8 = min((r for r in rows if r["batch"] == B and r["keys"] == n
+                             and f"fp8-kv v-{lay} " in r["variant"]), key=lambda r: r["us"], default=None)
+                if best8:
+                    print(f"B={B} keys={n}: best FP8-KV plan, V {lay}: {best8['variant']} {best8['us']:.1f} us "
+                          f"({best8['kv_tb_s']:.2f} TB/s), {base / best8['us']:.2f}x the SDPA bucket", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
