@@ -137,6 +137,34 @@ def test_disk_transport_writes_hf_fp8_checkpoint_and_verifies(hf_dirs, tmp_path,
     assert verify_disk(out)["parity_mismatch"] == 1
 
 
+def test_disk_push_never_leaves_the_directory_without_weights(tmp_path, monkeypatch):
+    """A second push replaces the first by renames: whenever a directory is deleted, the weights directory already
+    holds the new version, and nothing else is left beside it."""
+    from megatron_jetrl.sync import transport
+
+    out = str(tmp_path / "weights")
+    seen = []
+    real = transport.shutil.rmtree
+
+    def rmtree(path, *a, **k):
+        if os.path.exists(path):
+            index = os.path.join(out, "model.safetensors.index.json")
+            seen.append((os.path.basename(path),
+                         json.load(open(index))["metadata"]["weight_version"] if os.path.exists(index) else None))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(transport.shutil, "rmtree", rmtree)
+    push = DiskTransport(out, {"model_type": "llama"})
+    push.push(1, iter([("w", torch.ones(4))]))
+    push.push(2, iter([("w", torch.full((4,), 2.0))]))
+    assert seen == [("weights.old", 2)]  # the old version deleted once the new one holds the name
+    assert sorted(os.listdir(tmp_path)) == ["weights"]
+    assert verify_disk(out)["weight_version"] == 2
+    os.makedirs(out + ".old")  # an interrupted push's leftover is cleared, not in the way of the rename
+    push.push(3, iter([("w", torch.full((4,), 3.0))]))
+    assert sorted(os.listdir(tmp_path)) == ["weights"] and verify_disk(out)["weight_version"] == 3
+
+
 @pytest.mark.slow
 def test_broadcast_transport_over_gloo(hf_dirs):
     sender, receiver = run_workers(broadcast_worker, 2, hf_dirs["qwen3"])

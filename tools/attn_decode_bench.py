@@ -4,7 +4,8 @@ CUDA-graph replays: the static decoder's SDPA over a 256-key bucket with an addi
 ``rollout.decode_attention=triton``: keys 0..pos only) with its launch-plan variants, and, for
 reference, matmul + fp32 softmax and SDPA with K/V expanded; and the key-major Triton kernel over the FP8 KV
 cache (``precision.kv_cache=fp8``: E4M3 K/V with a scale per token and KV head; V stored [L, d], as the decoder
-keeps it on the H100, and key-major, [d, L] memory, as on the H200: ``rollout.fp8_kv_v_layout``, ``--v-layout``). Prints us, the KV bytes/s each reaches
+keeps it on the H100, and key-major, [d, L] memory, as on the H200: ``rollout.fp8_kv_v_layout``, ``--v-layout``).
+Prints us, the KV bytes/s each reaches
 (the bytes the variant must read: the bucket for SDPA, pos + 1 keys for the kernel) and the
 difference from the fp32 reference.
 Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--bucket 256] [--json F]"""
