@@ -362,9 +362,9 @@ def test_rollout_only_node_serves_until_the_training_ends(tmp_path):
         waiter.start()
         time.sleep(0.5)
         assert waiter.is_alive()
-        write_done(done, 1, "7.0.1")
+        write_done(done, 3, "7.0.1")  # a failed training: the rollout-only node ends with its code
         waiter.join(timeout=5)
-        assert result == [0]
+        assert result == [3]
     finally:
         server.kill()
         server.wait()

@@ -309,32 +309,37 @@ def write_done(path: str, rc: int, launch_id: str = "") -> None:
     write_atomic(path, json.dumps({"rc": rc, "launch": launch_id}))
 
 
-def _done_by(done_path: str, since_path: str, launch_id: str) -> bool:
-    """Whether ``done_path`` is this launch's: it names ``launch_id``, or without an identity it is newer than
-    ``since_path`` (this launch's config; an earlier launch's file is older)."""
+def _done_rc(done_path: str, since_path: str, launch_id: str) -> int | None:
+    """The training's exit code if ``done_path`` is this launch's: it names ``launch_id``, or without an identity it
+    is newer than ``since_path`` (this launch's config; an earlier launch's file is older); else None."""
     try:
-        if launch_id:
-            with open(done_path) as f:
-                return json.load(f).get("launch") == launch_id
-        return os.path.getmtime(done_path) > os.path.getmtime(since_path)
+        if not launch_id and os.path.getmtime(done_path) <= os.path.getmtime(since_path):
+            return None
+        with open(done_path) as f:
+            done = json.load(f)
     except (OSError, ValueError):  # not written yet
-        return False
+        return None
+    if launch_id and done.get("launch") != launch_id:
+        return None
+    return int(done.get("rc", 0))
 
 
 def serve_until_trained(servers: list[subprocess.Popen], done_path: str, since_path: str, poll_s: float = 5.0,
                         launch_id: str = "") -> int:
     """A rollout-only node (disaggregated, more than one node) serves until the first trainer node's launch writes
-    this launch's ``done_path`` (:func:`_done_by`), then 0 (the caller stops its servers); or, if every server exits
-    first, their worst exit code. Without it the node's servers would outlive the training and hold the job's
-    allocation until its time limit."""
+    this launch's ``done_path`` (:func:`_done_rc`), then returns the training's exit code (the caller stops its
+    servers: every node of a failed training ends failed); or, if every server exits first, their worst exit code.
+    Without it the node's servers would outlive the training and hold the job's allocation until its time limit."""
     import time
 
     while True:
         codes = [p.poll() for p in servers]
         if all(c is not None for c in codes):
             return max(codes)
-        if _done_by(done_path, since_path, launch_id):
-            return 0
+        rc = _done_rc(done_path, since_path, launch_id)
+        if rc is not None:
+            print(f"launch: the training ended with code {rc}: stopping this node's rollout servers", file=sys.stderr)
+            return rc
         time.sleep(poll_s)
 
 
