@@ -28,7 +28,7 @@ from megatron_jetrl.sync.handover import disk_push, export_options
 from megatron_jetrl.trainer.actor import Actor
 from megatron_jetrl.trainer.checkpoint import (check_model_matches, checkpoint_step, load_checkpoint,
                                                newest_intact_checkpoint)
-from megatron_jetrl.trainer.run_dir import (LAUNCH_MARK, STOP_FILE, check_run_dir, clear_run, clear_stop_request,
+from megatron_jetrl.trainer.run_dir import (CHECKPOINTS_DIR, LAUNCH_MARK, STOP_FILE, check_run_dir, clear_run, clear_stop_request,
                                             no_checkpoint)
 
 log = logging.getLogger("jetrl")
@@ -63,7 +63,7 @@ def setup(cfg: JetConfig) -> Run:
         check_model_matches(cfg.checkpoint.load_path, cfg.model)
     init_distributed(cfg.parallel, cfg.seed)
     run_dir = cfg.logging.run_dir
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = os.path.join(run_dir, CHECKPOINTS_DIR)
     if is_rank0() and clear_stop_request(run_dir):  # a request made from here on is this run's
         log.warning("removed %s from %s: a request from before this run", STOP_FILE, run_dir)
     if resume_path:  # the CRC-32s, read by every rank, a share each; all take the same checkpoint

@@ -8,8 +8,10 @@ import shutil
 from megatron_jetrl.config import ConfigError, JetConfig
 from megatron_jetrl.trainer.checkpoint import checkpoints, newest_intact_checkpoint
 
+# The run's checkpoints (``step_N`` directories and ``latest``), in the run directory.
+CHECKPOINTS_DIR = "checkpoints"
 # What a run directory holds of a run (deleted by checkpoint.overwrite before a fresh run writes).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
+RUN_FILES = (CHECKPOINTS_DIR, "metrics.jsonl", "tb", "rollout", "rollout_logs", "config.yaml")
 # Created in the run directory (by hand, or by a batch script on the scheduler's pre-timeout signal: docs/cluster.md),
 # it asks the run to save a checkpoint after its current step and end; the run removes it when it does.
 STOP_FILE = "save_and_stop"
@@ -38,7 +40,7 @@ def check_run_dir(cfg: JetConfig) -> str | None:
     from megatron_jetrl.config import config_to_dict
 
     run_dir = cfg.logging.run_dir
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = os.path.join(run_dir, CHECKPOINTS_DIR)
     if cfg.checkpoint.resume:
         path = newest_intact_checkpoint(ckpt_dir, crc=False)
         if path is None:
