@@ -441,6 +441,11 @@ for b, H, G, D, L, pos, splits in ((3, 8, 4, 64, 40, 29, 1), (2, 6, 2, 80, 70, 6
     same = decode_attention(q, kd, vd.transpose(-1, -2).contiguous().transpose(-1, -2), ok, torch.tensor([pos]),
                             D ** -0.5, splits=splits, block_n=16)
     assert torch.equal(out, same)  # power-of-two scales folded into scores and weights: the dequantized cache's bits
+    # each row's first valid key (the decoder's call, its left pads a prefix) instead of key_ok's bytes: the same bits
+    first = torch.tensor([min(5, pos)] + [0] * (b - 1))
+    for v_ in (vqk, vq):
+        assert torch.equal(decode_attention(q, kq, v_, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
+                                            k_scale=ks, v_scale=vs, first_key=first), out)
     out16 = decode_attention(q.half(), kq, vqk, ok, torch.tensor([pos]), D ** -0.5, splits=splits, block_n=16,
                              k_scale=ks, v_scale=vs)  # a 16-bit q: the fp16 tensor-core path
     assert out16.dtype == torch.float16 and (out16.float() - ref).abs().max() < 3e-3, (out16.float() - ref).abs().max()

@@ -718,6 +718,10 @@ def test_static_decoder_prefill_chunks(tmp_path, megatron_single):
             chunked = dec.prefill(tokens, key_pad)
         assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-5), mode
         assert torch.allclose(dec.k, kv[0], atol=1e-6) and torch.allclose(dec.v, kv[1], atol=1e-6), mode
+    inner = key_pad.clone()
+    inner[2, 5] = True  # a pad after a row's first token: the attention counts a row's pads as a prefix
+    with pytest.raises(ValueError, match="key_pad must mark left padding"):
+        dec.prefill(tokens, inner)
 
 
 def test_fused_sampler_under_the_interpreter():

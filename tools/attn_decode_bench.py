@@ -12,6 +12,7 @@ Usage: python tools/attn_decode_bench.py [--batch 64,256] [--keys 640,1000] [--b
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -38,6 +39,9 @@ def main() -> None:
                     help="Triton plans block_n:num_stages:num_warps")
     ap.add_argument("--v-layout", default="rows,key_major",
                     help="the FP8 cache's V layouts timed: rows ([L, d]), key_major ([d, L] memory)")
+    ap.add_argument("--valid", default="ok,first",
+                    help="how the FP8 cache's kernel finds a row's valid keys: ok (key_ok's byte per key), first (each "
+                    "row's first valid key, the decoder's call)")
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
     ap.add_argument("--dtype", default="bfloat16", help="the KV cache's dtype (the interpreter has no bf16 dot: "
@@ -71,6 +75,7 @@ def main() -> None:
             Lb = min(L, -(-n // a.bucket) * a.bucket)
             ok = torch.ones(B, L, dtype=torch.bool, device=dev)
             ok[::3, :17] = False  # left pads of shorter prompts
+            first = torch.where(torch.arange(B, device=dev) % 3 == 0, 17, 0)  # the same as each row's first key
             ok[:, n:] = False  # not yet written
             pos = torch.tensor([n - 1], device=dev)
             bias = torch.zeros(B, 1, 1, Lb, device=dev, dtype=dt).masked_fill_(
@@ -103,10 +108,11 @@ def main() -> None:
                 for sp in sorted({1, auto, 2 if auto == 1 else auto}):
                     variants[f"triton exact bn{bn} st{st} w{w} split{sp}"] = (
                         (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kc, vc, ok, pos, d ** -0.5, sp, bn, st, w)), n)
-                    for lay in layouts:
-                        variants[f"triton fp8-kv v-{lay} bn{bn} st{st} w{w} split{sp}"] = (
-                            (lambda bn=bn, st=st, w=w, sp=sp, vv=v_fp8[lay]: decode_attention(
-                                q, kq, vv, ok, pos, d ** -0.5, sp, bn, st, w, k_scale=ks, v_scale=vs)), n)
+                    for lay, how in itertools.product(layouts, a.valid.split(",")):
+                        variants[f"triton fp8-kv v-{lay} {how} bn{bn} st{st} w{w} split{sp}"] = (
+                            (lambda bn=bn, st=st, w=w, sp=sp, vv=v_fp8[lay], fk=first if how == "first" else None:
+                             decode_attention(q, kq, vv, ok, pos, d ** -0.5, sp, bn, st, w, k_scale=ks, v_scale=vs,
+                                              first_key=fk)), n)
             kd = dequantize_kv(kq[:, :, :n], ks[:, :, :n], torch.float32)
             vd = dequantize_kv(vq[:, :, :n], vs[:, :, :n], torch.float32)
             s8 = torch.matmul(qf.view(B, G, H // G, d), kd.transpose(-1, -2)) * d ** -0.5

@@ -10,7 +10,8 @@ kernel change before it is timed (``tools/exact_bench.py``, ``tools/attn_decode_
 - ``decode-attn``: the decode attention (``kernels/decode_attn.py``: the head-major kernel over a BF16 cache, the
   key-major one over the decoder's FP8 cache) at the 8B model's shapes (4 query heads per KV group, head dim 128),
   plans ``kv:BLOCK_N:warps:stages[:rows]`` (kv: bf16, fp8 with V [L, d], fp8km with V stored [d, L]:
-  the decoder's two layouts, ``rollout.fp8_kv_v_layout``; rows: the query tile's, the decoder's by default); also
+  the decoder's two layouts, ``rollout.fp8_kv_v_layout``; a ``first`` suffix, ``fp8kmfirst``: valid keys from each
+  row's first instead of ``key_ok``'s bytes, the decoder's call; rows: the query tile's, the decoder's by default); also
   warp-instructions per key and per KV byte, the measure of an issue-bound decode kernel.
 - ``exact-attn``: exact mode's attention (``kernels/exact_attn.py``, the decoder's and the trainer's) at the same
   shapes, plans ``kv:BLOCK_N:warps:stages:rows`` (rows: query rows per program, 16 the decoder's one position, 32 the
@@ -76,18 +77,19 @@ def _attn_types(kv: str) -> dict:
 
 
 def compile_decode_attn(kv: str, block_n: int, warps: int, stages: int, splits: int = 2, block_h: int | None = None,
-                        v_key_major: bool = False):
+                        v_key_major: bool = False, first: bool = False):
     """The decode attention for sm_90a: 4 query heads per KV group, head dim 128; ``kv`` bf16 (the head-major
     kernel over a [L, d] cache) or fp8 (the key-major kernel over the FP8 cache; V stored [L, d], or with
     ``v_key_major`` [d, L]); ``block_h``: the query tile's rows instead of the decoder's (8
-    key-major, 16 head-major)."""
+    key-major, 16 head-major); ``first``: valid keys from each row's first (``first_key``, the decoder's call) instead of
+    ``key_ok``'s bytes."""
     fp8 = kv == "fp8"
-    types = {**_attn_types(kv), "ok_ptr": "*u8", "pos_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32",
-             "scale": "fp32"}
+    types = {**_attn_types(kv), "ok_ptr": "*u8", "first_ptr": "*i64", "pos_ptr": "*i64", "part_ptr": "*fp32",
+             "ml_ptr": "*fp32", "scale": "fp32"}
     consts = {"HPG": 4, "D": 128, "BLOCK_H": block_h or (8 if fp8 else 16), "BLOCK_D": 128, "BLOCK_N": block_n,
               "SPLIT": splits, "NUM_STAGES": stages, "IEEE": False}
     if fp8:  # V's unit stride (Triton specializes a 1 as a constant): its features ([L, d]) or its keys ([d, L])
-        consts.update(TAIL_N=TAIL_N, V_KEYS=v_key_major, LOAD16=True, KV_FP8=True, F16=True,
+        consts.update(TAIL_N=TAIL_N, V_KEYS=v_key_major, LOAD16=True, KV_FP8=True, F16=True, FIRST=first,
                       **{"sv_l" if v_key_major else "sv_d": 1})
     return _compile_by_name(_decode_attn_keys_kernel if fp8 else _decode_attn_kernel, types, consts, num_warps=warps)
 
@@ -182,13 +184,14 @@ def decode_attn_plan(plan: str, exact: bool = False) -> dict:
     (``loop``: its SASS lines, ``mix``: opcode counts per iteration), ``regs``, ``shared`` bytes, ``programs`` per SM,
     warp-instructions ``per_key`` and ``per_byte`` of K and V (with the FP8 cache's scales)."""
     kv, block_n, warps, stages, *rows = plan.split(":")
+    first, kv = kv.endswith("first"), kv.removesuffix("first")
     v_key_major, kv = kv == "fp8km", "fp8" if kv == "fp8km" else kv
     pairs, kv = kv == "fp8pairs", "fp8keys" if kv == "fp8pairs" else kv
     if exact:
         k = compile_exact_attn(kv, int(block_n), int(warps), int(stages), int(rows[0]), pairs)
     else:
         k = compile_decode_attn(kv, int(block_n), int(warps), int(stages), block_h=int(rows[0]) if rows else None,
-                                v_key_major=v_key_major)
+                                v_key_major=v_key_major, first=first)
     loop = main_loop(k)
     mix = collections.Counter(m.group(1) for ln in loop if (m := _INSN.search(ln)))
     per_key = sum(mix.values()) * int(warps) / (int(block_n) * (2 if pairs else 1))

@@ -146,14 +146,14 @@ def load_whole(ptrs, d_mask, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
+def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, first_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                              qk_scale, sq_b, sq_h, sk_b, sk_g, sk_l, sv_b, sv_g, sv_l, sv_d, ss_b, ss_g, sok_b,
                              so_b, so_h, xq_ptr, xs_ptr, sxq_b, sxs_b, sxs_h, inv_max, fmax, eps,
                              HPG: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                              NUM_STAGES: tl.constexpr, TAIL_N: tl.constexpr, V_KEYS: tl.constexpr,
                              LOAD16: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr,
-                             QUANT: tl.constexpr, UE8M0: tl.constexpr):
+                             QUANT: tl.constexpr, UE8M0: tl.constexpr, FIRST: tl.constexpr):
     """Key-major: S^T = K q^T [BLOCK_N, BLOCK_H], O^T += V^T P^T with V^T's tile [d, BLOCK_N] as the first operand
     (key-contiguous in a [d, L] layout: wide loads, one conversion per pair of keys; d-contiguous in a [L, d] one,
     which this kernel reads as fast where it waits on memory, the H100). The query heads
@@ -168,7 +168,9 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     per layer over V ``[L, d]``, a sawtooth of period ``BLOCK_N`` keys in the step's time), which the one loop
     removes (3.7% of the step at 660-916 keys, 1.6% at 4,116-4,372) where over a key-major V its masked loads slowed
     the whole loop (up to 5% at 4K keys); a key-major V's tail tiles loaded byte by byte until their mask was
-    16-key-granular (2.7-5.3% of the step)."""
+    16-key-granular (2.7-5.3% of the step). ``FIRST``: a row's valid keys are ``first[b]..pos`` (its left pads
+    before them), compared in registers instead of loaded from ``key_ok``: a byte per key, which Triton 3.6 loads
+    synchronously in every tile (``cp.async`` moves 4 bytes or more)."""
     b, g, s, heads, hm, dd, dm, q, lo, hi = _program(q_ptr, pos_ptr, sq_b, sq_h, HPG, D, BLOCK_H, BLOCK_D, BLOCK_N,
                                                      SPLIT)
     if F16:  # the FP8 cache on fp16 tensor cores: E4M3 -> fp16 is one instruction per pair; through bf16 the
@@ -184,21 +186,24 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
     v_row = v_ptr + b * sv_b + g * sv_g
     ok_row = ok_ptr + b * sok_b
     s_row = b * ss_b + g * ss_g  # the FP8 cache's per-key scales [b, G, L] (KV_FP8)
+    first = 0
+    if FIRST:
+        first = tl.load(first_ptr + b).to(tl.int32)
     if V_KEYS:  # whole tiles unmasked, then [full, hi) in narrow masked tiles
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         for start in tl.range(lo, full, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
                                        l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, False, IEEE, KV_FP8,
-                                       F16)
+                                       F16, FIRST, first)
         for start in tl.range(full, hi, TAIL_N, num_stages=1):
             m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
                                        l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, TAIL_N, True, IEEE, KV_FP8,
-                                       F16)
+                                       F16, FIRST, first)
     else:  # one pipelined loop, its last tile masked
         for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _keys_tile(qt, k_row, v_row, ks_ptr + s_row, vs_ptr + s_row, ok_row, start, hi, hl, m_i,
                                        l_i, acc, sk_l, sv_l, sv_d, qk_scale, D, BLOCK_D, BLOCK_N, True, IEEE, KV_FP8,
-                                       F16)
+                                       F16, FIRST, first)
     if F16:
         acc = acc * (1.0 / P_F16)
     _store_out(tl.trans(acc), l_i, m_i, o_ptr, part_ptr, ml_ptr, b, heads, hm, dd, dm, so_b, so_h,
@@ -209,9 +214,10 @@ def _decode_attn_keys_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ok_ptr, pos_pt
 @triton.jit
 def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i, acc, sk_l, sv_l, sv_d, qk_scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr):
+               IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16: tl.constexpr, FIRST: tl.constexpr, first):
     """One key tile of the key-major kernel: keys ``start..start+BLOCK_N`` (``MASKED``: those below ``hi`` weighed,
-    their K and V bytes loaded below ``hl >= hi``, the rest read as 0) -> the online softmax's updated (max, sum, O^T).
+    their K and V bytes loaded below ``hl >= hi``, the rest read as 0; valid: ``key_ok``'s, or with ``FIRST`` those
+    from ``first``) -> the online softmax's updated (max, sum, O^T).
     Scores in base 2 (``qk_scale`` holds log2(e)); an FP8 key's power-of-two scale multiplies its fp32 score and a
     value's scale (times P_F16 on fp16) its softmax weight, exactly."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -221,14 +227,20 @@ def _keys_tile(qt, k_row, v_row, ks_row, vs_row, ok_row, start, hi, hl, m_i, l_i
     if MASKED:
         km = keys < hi
         kl = keys < hl
-        ok = (tl.load(ok_row + keys, mask=km, other=0) != 0) & km
+        if FIRST:
+            ok = (keys >= first) & km
+        else:
+            ok = (tl.load(ok_row + keys, mask=km, other=0) != 0) & km
         kt = tl.load(k_ptrs, mask=kl[:, None] & (dd < D)[None, :], other=0.0)
         vt = tl.load(v_ptrs, mask=(dd < D)[:, None] & kl[None, :], other=0.0)
         if KV_FP8:
             kscale = tl.load(ks_row + keys, mask=km, other=1.0) * qk_scale
             vscale = tl.load(vs_row + keys, mask=km, other=0.0)
     else:
-        ok = tl.load(ok_row + keys) != 0
+        if FIRST:
+            ok = keys >= first
+        else:
+            ok = tl.load(ok_row + keys) != 0
         kt = load_whole(k_ptrs, (dd < D)[None, :], D, BLOCK_D)
         vt = load_whole(v_ptrs, (dd < D)[:, None], D, BLOCK_D)
         if KV_FP8:
@@ -349,7 +361,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      pos: torch.Tensor, scale: float, splits: int = 1, block_n: int = 64,
                      num_stages: int = 2, num_warps: int = 4, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, quant: FP8Recipe | None = None,
-                     scale_col_major: bool = False):
+                     scale_col_major: bool = False, first_key: torch.Tensor | None = None):
     """One query token per row: ``q [b, heads, d]`` (any strides with a unit last one) against
     ``k_cache``/``v_cache [b, groups, L, d]`` (views of the decoder's cache; K with a unit last stride, V with a unit
     last stride or key-major, a transposed view of ``[b, groups, d, L]`` memory) over keys ``0..pos[0]`` where
@@ -361,7 +373,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``xq`` the output's activation quantization for the FP8 output projection, ``(q [b, heads*d] E4M3, scale_inv [b,
     heads] fp32)``, the bytes and scales ``quant.quantize_act`` computes from ``out`` (1 x d groups; scales row-major,
     or column-major as cuBLAS's scaled_mm reads them with ``scale_col_major``), written by the same kernel; None where
-    the kernel cannot (several key splits, the head-major kernel, d other than the recipe's group)."""
+    the kernel cannot (several key splits, the head-major kernel, d other than the recipe's group). ``first_key [b]``
+    (integer): each row's first valid key, where ``key_ok`` holds left pads only (a row's keys before it invalid, every
+    key from it to ``pos`` valid: the decoder's rows); the key-major kernel then compares positions instead of reading
+    ``key_ok``."""
     b, H, D = q.shape
     G, L = k_cache.shape[1], k_cache.shape[2]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -377,6 +392,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 or k_scale.stride(-1) != 1):
         raise ValueError("decode_attention: an FP8 KV cache needs k_scale/v_scale [b, groups, L] with equal strides "
                          "and a unit last one")
+    if first_key is not None and (first_key.shape != (b,) or first_key.dtype.is_floating_point):
+        raise ValueError(f"decode_attention: first_key must be [b] integers, got {tuple(first_key.shape)} "
+                         f"{first_key.dtype}")
     out = torch.empty((b, H, D), dtype=q.dtype, device=q.device)
     if b == 0:
         return out if quant is None else (out, None)
@@ -395,14 +413,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if key_major:  # the query heads as the MMA's narrow side: 8 for up to 8 heads per group (tensor cores pad less)
         ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused without KV_FP8
         _decode_attn_keys_kernel[(b, G, splits)](
-            q, k_cache, v_cache, ks, vs, ok, pos, out, part, ml, float(scale) * LOG2E,
+            q, k_cache, v_cache, ks, vs, ok, ok if first_key is None else first_key, pos, out, part, ml,
+            float(scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, ok.stride(0), out.stride(0), out.stride(1),
             *qargs, HPG=hpg, BLOCK_H=max(8, triton.next_power_of_2(hpg)), TAIL_N=min(TAIL_N, block_n),
             V_KEYS=v_keys, LOAD16=L % 16 == 0, KV_FP8=fp8,
             F16=fp8 and q.dtype != torch.float32, QUANT=xq is not None,
-            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", **common)
+            UE8M0=xq is not None and quant.scale_fmt == "ue8m0", FIRST=first_key is not None, **common)
     else:
         _decode_attn_kernel[(b, G, splits)](
             q, k_cache, v_cache, ok, pos, out, part, ml, float(scale),

@@ -472,8 +472,10 @@ class StaticDecoder:
             kc, vc, ok = self._full_rows(kc, 2), self._full_rows(vc, 2), self._full_rows(self.key_ok[rows], 1)
             if ks is not None:
                 ks, vs = self._full_rows(ks, 2), self._full_rows(vs, 2)
+            # a row's valid keys: from its first after the left pads (``prefill`` checks the pads lead) to the step's
             res = decode_attention(q[0], kc, vc, ok, idx, self.scale, self.attn_splits,
-                                   *self.attn_plan, k_scale=ks, v_scale=vs, quant=recipe, scale_col_major=col_major)
+                                   *self.attn_plan, k_scale=ks, v_scale=vs, quant=recipe, scale_col_major=col_major,
+                                   first_key=self.pads[rows])
             out, xq = res if recipe is not None else (res, None)
             return out.view(1, b, self.heads * self.dim), xq
         kb, vb = kc[:, :, :Lb], vc[:, :, :Lb]
@@ -575,6 +577,9 @@ class StaticDecoder:
             self.graphs.clear()
             self.graph_outputs.clear()
             self.fp = fp
+        lead = torch.arange(P, device=key_pad.device)[None, :] < key_pad.sum(1, keepdim=True)
+        if not torch.equal(key_pad, lead):  # the attention and exact mode's positions count the pads as a prefix
+            raise ValueError("StaticDecoder.prefill: key_pad must mark left padding (each row's pads before its tokens)")
         self.key_ok.zero_()
         self.key_ok[:, :P] = ~key_pad
         if self.ks is not None and self.triton_attn and not self.exact and self._written > P:
