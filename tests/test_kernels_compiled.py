@@ -3,6 +3,7 @@ Triton's wheel ships (``tools/kernel_sass.py``): the structure of the code the G
 shows."""
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -69,6 +70,20 @@ def test_fp8_kv_decode_attention_loop_issues_what_the_bf16_one_does_per_byte():
         assert plan["mix"]["F2FP"] <= 1.1 * 128, plan["mix"]
     assert fp8["mix"]["LDL"] + fp8["mix"]["STL"] <= 48 and not (km["mix"]["LDL"] or km["mix"]["STL"]), (fp8["mix"], km["mix"])
     assert not any("LDS.U8" in ln for ln in km["loop"]), [ln for ln in km["loop"] if "LDS.U8" in ln][:3]
+
+
+@pytest.mark.parametrize("v", ["fp8", "fp8km"])
+def test_fp8_kv_decode_attention_loop_loads_nothing_synchronously_in_the_decoders_call(v):
+    """The decoder's call of the decode attention over the FP8 KV cache (``first_key``: a row's valid keys from its
+    first one, V [L, d] or key-major) loads all its tiles' bytes asynchronously (``LDGSTS``): no ``LDG`` in the loop.
+    Read from ``key_ok`` the validity is a byte per key, which the compiler loads synchronously in every tile
+    (``cp.async`` moves 4 bytes or more): one ``LDG.E.U8`` per iteration and two barriers more."""
+    ks = _kernel_sass()
+    first, ok = ks.decode_attn_plan(f"{v}first:128:4:2"), ks.decode_attn_plan(f"{v}:128:4:2")
+    sync = lambda plan: [ln.strip() for ln in plan["loop"] if re.search(r"\bLDG\.", ln)]  # noqa: E731
+    assert first["loop"] and not sync(first), sync(first)
+    assert len(sync(ok)) == 1 and "U8" in sync(ok)[0], sync(ok)
+    assert first["mix"]["BAR"] < ok["mix"]["BAR"] and first["regs"] <= ok["regs"], (first["mix"], ok["mix"])
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
