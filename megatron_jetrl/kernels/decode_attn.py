@@ -5,7 +5,8 @@ graph per bucket, 64 keys by default) with an additive mask: on average half a b
 than the step needs, and one graph per bucket. This kernel reads the number of keys from the step's
 position tensor on the device, so one captured graph serves every length and a step reads keys
 ``0..pos`` only; validity (left-pad keys of shorter prompts) comes from the decoder's ``key_ok`` row,
-one byte per key next to the 2 x head_dim x 2 bytes of K and V, instead of an additive mask per step.
+one byte per key next to the 2 x head_dim x 2 bytes of K and V, instead of an additive mask per step (the key-major
+kernel, given each row's first valid key, compares positions instead: no byte loads in its loop).
 
 One program per (row, key/value group, key split): the group's query heads (grouped-query attention:
 query head h reads group h // (heads / groups), megatron's and SDPA's grouping) form one
