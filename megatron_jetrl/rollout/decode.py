@@ -472,7 +472,7 @@ class StaticDecoder:
             kc, vc, ok = self._full_rows(kc, 2), self._full_rows(vc, 2), self._full_rows(self.key_ok[rows], 1)
             if ks is not None:
                 ks, vs = self._full_rows(ks, 2), self._full_rows(vs, 2)
-            # a row's valid keys: from its first after the left pads (``prefill`` checks the pads lead) to the step's
+            # a row's valid keys run from the end of its left pads (``prefill`` checks that the pads lead) to the position
             res = decode_attention(q[0], kc, vc, ok, idx, self.scale, self.attn_splits,
                                    *self.attn_plan, k_scale=ks, v_scale=vs, quant=recipe, scale_col_major=col_major,
                                    first_key=self.pads[rows])
