@@ -489,6 +489,57 @@ def test_launch_runs_a_cpu_job_end_to_end(tmp_path):
     assert left.stdout.strip() == ""  # the servers were stopped with the job
 
 
+def test_sigterm_stops_the_launchs_trainer_and_servers(tmp_path):
+    """SIGTERM to `jetrl launch` (scancel, a job's time limit, kill) stops what it started: its servers run in sessions
+    of their own, which a signal to the launch's process group does not reach, and the trainer; it says the training
+    ended (launch_done.json, code 143, for the rollout-only nodes) and exits 143. The node's commands are stand-ins: a
+    server and a trainer that each write their pid and sleep."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    script = f"""
+import sys
+import megatron_jetrl.launch as launch
+serve = "echo $$ > {tmp_path}/server.pid; exec sleep 300"
+train = "import os, time; open('{tmp_path}/trainer.pid', 'w').write(str(os.getpid())); time.sleep(300)"
+launch.commands = lambda *a, **k: {{0: [["bash", "-c", serve], [sys.executable, "-c", train]]}}
+sys.exit(launch.main(["--preset", "tiny", "--nodes", "1", "--gpus-per-node", "1", "--run-dir", "{run}"]))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # no launch identity
+    proc = subprocess.Popen([sys.executable, "-c", script], env=dict(env, PYTHONPATH=REPO),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids = [tmp_path / "server.pid", tmp_path / "trainer.pid"]
+    try:
+        deadline = time.time() + 120
+        while not all(p.exists() and p.read_text().strip() for p in pids):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            time.sleep(0.1)
+        started = [int(p.read_text()) for p in pids]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert "launch: terminated (SIGTERM)" in proc.stderr.read()
+        assert json.loads((run / "launch_done.json").read_text()) == {"rc": 143, "launch": ""}
+
+        def alive(pid):  # a process that has not exited (a zombie has)
+            st = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+            return bool(st) and not st.startswith("Z")
+
+        deadline = time.time() + 10
+        while any(alive(pid) for pid in started) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in started if alive(pid)]  # the server (its own session) and the trainer are gone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in pids:
+            if p.exists() and p.read_text().strip():
+                try:
+                    os.kill(int(p.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
 def test_a_server_that_dies_before_ready_stops_the_job(tmp_path):
     """`jetrl launch` runs the trainer beside this node's servers: a server exiting with an error before its
     log says it is ready ends the job at once with that code (the trainer stopped), instead of the trainer

@@ -20,8 +20,10 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 from megatron_jetrl.env import ADMIN_API_KEY, admin_api_key, snapshot
 from megatron_jetrl.files import write_atomic
@@ -372,10 +374,23 @@ def run_beside_servers(cmd: list[str], servers: list[subprocess.Popen], logs: li
                     except subprocess.TimeoutExpired:
                         trainer.kill()
                     return rc
-    finally:
+    finally:  # stopped from outside (a signal, Ctrl-C): torchrun gets SIGTERM, which it passes to its workers
         if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+            trainer.terminate()
+            try:
+                trainer.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                trainer.wait()
+
+
+class Terminated(Exception):
+    """SIGTERM reached ``jetrl launch`` (``scancel``, a job's time limit, ``kill``): raised where it waits, so that it
+    stops its trainer and servers and says the training ended before it exits."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def load_launch_config(path: str | None, overrides: list[str], hf_checkpoint: str | None, dry_run: bool = False,
@@ -504,6 +519,9 @@ def main(argv=None) -> int:
         write_admin_key_file(admin_key_file(run_dir, cluster.node_rank), admin_key)
     done_path = os.path.join(run_dir, DONE_FILE)
     procs, logs, rc = [], [], 0
+    # servers run in sessions of their own (a signal to this process group does not reach them): on SIGTERM this
+    # launch stops them itself
+    on_term = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
         for c in mine:
             if c[0] == "bash":  # a server: in the background
@@ -519,10 +537,17 @@ def main(argv=None) -> int:
             rc = serve_until_trained(procs, done_path, config_path, launch_id=resolved.rollout.launch_id)
     except KeyboardInterrupt:
         rc = 130
+    except Terminated:
+        rc = 128 + signal.SIGTERM
+        print("launch: terminated (SIGTERM): stopping the trainer and this node's rollout servers", file=sys.stderr)
     finally:
+        if on_term is not None:  # a second SIGTERM does not cut the cleanup short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for p in procs:  # each server with its children (SGLang's scheduler processes)
             if p.poll() is None:
-                os.killpg(p.pid, 15)
+                os.killpg(p.pid, signal.SIGTERM)
         if plan.trainer_nodes and cluster.node_rank == plan.trainer_nodes[0]:
             write_done(done_path, rc, resolved.rollout.launch_id)
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     return rc
