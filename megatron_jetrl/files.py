@@ -1,5 +1,6 @@
 """Small files other processes read while we write them: the run's config, ``latest``, the admin key file, the
-training's end marker, a resumed ``metrics.jsonl``.
+training's end marker, a resumed ``metrics.jsonl``; and directories written beside their place and moved into it
+whole (a checkpoint, the weights the disk transport pushes).
 
 ``write_atomic`` writes a temporary file of this writer's own in the same directory, flushes it to the disk and
 renames it over the target: a reader (another node's process, a resume after a crash or a power loss) sees the old
@@ -10,6 +11,7 @@ under its final name, whatever the umask or the mode of the file it replaces.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 
@@ -28,3 +30,19 @@ def write_atomic(path: str, data: str | bytes, mode: int = 0o644) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def replace_dir(src: str, dst: str) -> None:
+    """Move the complete directory ``src`` to ``dst``, replacing a directory there: the old one is renamed aside
+    (``dst.old``) and deleted once the new one holds the name. The name is without a whole version for the time of
+    two renames, not for as long as a large directory takes to delete (a reader starting then finds one version),
+    and a crash in between leaves the old version whole beside it (cleared by the next replacement)."""
+    dst = os.path.normpath(dst)
+    old = None
+    if os.path.exists(dst):
+        old = dst + ".old"
+        shutil.rmtree(old, ignore_errors=True)  # an interrupted replacement's
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old)

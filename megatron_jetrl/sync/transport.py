@@ -24,6 +24,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_jetrl.files import replace_dir
+
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -166,17 +168,7 @@ class DiskTransport:
         if self.record_hashes:
             with open(os.path.join(tmp, "weight_hashes.json"), "w") as f:
                 json.dump({"weight_version": version, "hashes": hashes}, f)
-        # the new version takes the directory's name by two renames, the old one deleted after: the name is without
-        # weights for microseconds, not for the time a large model's files take to delete (a server starting then
-        # would find no checkpoint), and a crash in between leaves the previous version whole beside it
-        old = None
-        if os.path.exists(self.out_dir):
-            old = self.out_dir.rstrip("/") + ".old"
-            shutil.rmtree(old, ignore_errors=True)  # an interrupted push's
-            os.replace(self.out_dir, old)
-        os.replace(tmp, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old)
+        replace_dir(tmp, self.out_dir)  # a server starting during a push finds one whole version
 
 
 def verify_disk(out_dir: str) -> dict:

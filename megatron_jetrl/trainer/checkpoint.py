@@ -19,7 +19,7 @@ import torch
 
 from megatron_jetrl.distributed import barrier, is_rank0
 from megatron_jetrl.errors import TrainingError
-from megatron_jetrl.files import write_atomic
+from megatron_jetrl.files import replace_dir, write_atomic
 
 log = logging.getLogger("jetrl.checkpoint")
 CHECKSUMS_FILE = "checksums.json"
@@ -176,9 +176,7 @@ def save_checkpoint(ckpt_root: str, step: int, actor, loop_state: dict, model_cf
         merged.update(file_checksums(tmp, lambda rel: rel not in merged))  # metadata, loop state, model config
         with open(os.path.join(tmp, CHECKSUMS_FILE), "w") as f:
             json.dump(merged, f)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
         write_atomic(os.path.join(ckpt_root, "latest"), f"step_{step}\n")
         if keep_last:  # checkpoint.keep_last: older ones go once this one is complete and named latest
             found = checkpoints(ckpt_root)  # newest first: those after this one are older
