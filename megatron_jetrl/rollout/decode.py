@@ -577,8 +577,8 @@ class StaticDecoder:
             self.graphs.clear()
             self.graph_outputs.clear()
             self.fp = fp
-        lead = torch.arange(P, device=key_pad.device)[None, :] < key_pad.sum(1, keepdim=True)
-        if not torch.equal(key_pad, lead):  # the attention and exact mode's positions count the pads as a prefix
+        pads = key_pad.sum(1)  # the attention and exact mode's positions count a row's pads as a prefix
+        if not torch.equal(key_pad, torch.arange(P, device=key_pad.device)[None, :] < pads[:, None]):
             raise ValueError("StaticDecoder.prefill: key_pad must mark left padding (each row's pads before its tokens)")
         self.key_ok.zero_()
         self.key_ok[:, :P] = ~key_pad
@@ -589,7 +589,7 @@ class StaticDecoder:
             # ~5 ms at 3.5 TB/s, against ~65 s of rollout)
             self.v[:, :, :, P:self._written].zero_()
         self._written = P
-        self.pads.copy_(key_pad.sum(1))  # left padding: the pads precede the prompt
+        self.pads.copy_(pads)  # left padding: the pads precede the prompt
         self.pos.fill_(0)
         outs = []
         chunk = self.prefill_rows(P)
