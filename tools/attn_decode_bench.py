@@ -47,6 +47,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the KV cache's dtype (the interpreter has no bf16 dot: "
                     "float16/float32 for a CPU smoke run)")
     a = ap.parse_args()
+    layouts, valids = [v for v in a.v_layout.split(",") if v], [v for v in a.valid.split(",") if v]
+    if not layouts or set(layouts) - {"rows", "key_major"}:
+        raise SystemExit(f"--v-layout: {a.v_layout!r}; give rows, key_major or both, comma-separated")
+    if not valids or set(valids) - {"ok", "first"}:
+        raise SystemExit(f"--valid: {a.valid!r}; give ok, first or both, comma-separated")
     dev, dt = torch.device(a.device), getattr(torch, a.dtype)
 
     def timed_ms(fn):
@@ -67,10 +72,8 @@ def main() -> None:
         # the FP8 KV cache of precision.kv_cache=fp8 (E4M3, a power-of-two scale per token and KV head), and the
         # dequantized values the reference and the BF16 variants below read in the FP8 rows' comparison
         (kq, ks), (vq, vs) = quantize_kv(kc, KV_RECIPE), quantize_kv(vc, KV_RECIPE)
-        v_fp8 = {"rows": vq, "key_major": vq.transpose(2, 3).contiguous().transpose(2, 3)}  # same values
-        layouts = [v for v in a.v_layout.split(",") if v]
-        if not layouts or set(layouts) - set(v_fp8):
-            raise SystemExit(f"--v-layout: {a.v_layout!r}; give rows, key_major or both, comma-separated")
+        v_fp8 = {lay: vq if lay == "rows" else vq.transpose(2, 3).contiguous().transpose(2, 3)  # same values
+                 for lay in layouts}
         for n in map(int, a.keys.split(",")):
             Lb = min(L, -(-n // a.bucket) * a.bucket)
             ok = torch.ones(B, L, dtype=torch.bool, device=dev)
@@ -108,7 +111,7 @@ def main() -> None:
                 for sp in sorted({1, auto, 2 if auto == 1 else auto}):
                     variants[f"triton exact bn{bn} st{st} w{w} split{sp}"] = (
                         (lambda bn=bn, st=st, w=w, sp=sp: decode_attention(q, kc, vc, ok, pos, d ** -0.5, sp, bn, st, w)), n)
-                    for lay, how in itertools.product(layouts, a.valid.split(",")):
+                    for lay, how in itertools.product(layouts, valids):
                         variants[f"triton fp8-kv v-{lay} {how} bn{bn} st{st} w{w} split{sp}"] = (
                             (lambda bn=bn, st=st, w=w, sp=sp, vv=v_fp8[lay], fk=first if how == "first" else None:
                              decode_attention(q, kq, vv, ok, pos, d ** -0.5, sp, bn, st, w, k_scale=ks, v_scale=vs,
